@@ -1,0 +1,37 @@
+"""callscope: context in, intermediates out, for every Keras 3 model.
+
+Custom call arguments (a `debugging` flag, a mode, a temperature) flow from
+`fit`, `evaluate`, `predict`, the `*_on_batch` methods and `model(x)` into every
+nested layer that declares them, compiled, on the JAX, TensorFlow and PyTorch
+backends.
+
+Example:
+
+>>> import keras, numpy as np, callscope as cs
+>>> model = cs.enable(keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)]))
+>>> model.register_context_args("debugging")
+>>> with cs.context(debugging=True):
+...     _ = model.predict(np.ones((2, 2)), verbose=0)
+"""
+
+from callscope._context import context as context
+from callscope._context import current as current
+from callscope._mixin import ContextMixin as ContextMixin
+from callscope._model import Functional as Functional
+from callscope._model import Model as Model
+from callscope._model import Sequential as Sequential
+from callscope._model import context_args as context_args
+from callscope._model import enable as enable
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ContextMixin",
+    "Functional",
+    "Model",
+    "Sequential",
+    "context",
+    "context_args",
+    "current",
+    "enable",
+]

@@ -1,0 +1,205 @@
+"""The public model classes, `enable`, and the `context_args` class decorator.
+
+`cs.Model` and `cs.Sequential` are `ContextMixin` on top of the Keras classes and
+are registered for serialization under the `callscope` package. `cs.Model(inputs,
+outputs)` builds a `cs.Functional` instead of letting Keras rewrite `cs.Model`'s
+own bases (Keras's `inject_functional_model_class` mutates the class it is called
+on, which would turn every later subclass-style `cs.Model` into a Functional).
+
+`cs.enable(model)` swaps an existing instance's class for a cached subclass
+`(ContextMixin, type(model))` that keeps the original `__name__`, `__module__` and
+registered name, the technique `torch.nn.utils.parametrize` uses: a model saved
+after `enable` loads back as its original class, without callscope.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TypeVar
+
+import keras
+
+from callscope import _keras_compat
+from callscope._mixin import ContextMixin
+
+_Functional = _keras_compat.functional_class()
+T = TypeVar("T")
+
+
+@keras.saving.register_keras_serializable(package="callscope")
+class Model(ContextMixin, keras.Model):
+    """A drop-in `keras.Model` whose entry points take context arguments.
+
+    Subclass it as you would `keras.Model`, or build it the functional way with
+    `cs.Model(inputs, outputs)`.
+
+    Example:
+
+    >>> import keras, numpy as np, callscope as cs
+    >>> @cs.context_args("debugging")
+    ... class Net(cs.Model):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.dense = keras.layers.Dense(1, kernel_initializer="ones")
+    ...     def call(self, x, debugging=None):
+    ...         y = self.dense(x)
+    ...         return y + 100.0 if debugging else y
+    >>> net = Net()
+    >>> x = np.ones((2, 3), "float32")
+    >>> net.predict(x, verbose=0)[0, 0], net.predict(x, debugging=True, verbose=0)[0, 0]
+    (np.float32(3.0), np.float32(103.0))
+    """
+
+    def __new__(cls, *args, **kwargs):
+        if cls is Model and _keras_compat.functional_init_arguments(args, kwargs):
+            return keras.Model.__new__(Functional, *args, **kwargs)
+        return keras.Model.__new__(cls, *args, **kwargs)
+
+    def __init__(self, *args, **kwargs):
+        if _keras_compat.functional_init_arguments(args, kwargs):
+            if not isinstance(self, _Functional):
+                _rebase_on_functional(type(self))
+            _Functional.__init__(self, *args, **kwargs)
+            return
+        super().__init__(*args, **kwargs)
+
+
+@keras.saving.register_keras_serializable(package="callscope")
+class Functional(Model, _Functional):
+    """What `cs.Model(inputs, outputs)` builds: a Keras Functional with context.
+
+    Example:
+
+    >>> import keras, callscope as cs
+    >>> inputs = keras.Input((3,))
+    >>> model = cs.Model(inputs, keras.layers.Dense(2)(inputs))
+    >>> isinstance(model, cs.Functional), isinstance(model, cs.Model)
+    (True, True)
+    """
+
+
+@keras.saving.register_keras_serializable(package="callscope")
+class Sequential(ContextMixin, keras.Sequential):
+    """A drop-in `keras.Sequential` whose entry points take context arguments.
+
+    Example:
+
+    >>> import keras, numpy as np, callscope as cs
+    >>> model = cs.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    >>> model.register_context_args("debugging")
+    >>> model(np.ones((1, 2)), debugging=True).shape
+    (1, 1)
+    """
+
+
+def _rebase_on_functional(cls):
+    """Puts `cs.Functional` where `cs.Model` is in a user subclass's bases.
+
+    The callscope counterpart of Keras's `inject_functional_model_class`, for a
+    subclass of `cs.Model` instantiated with `(inputs, outputs)`. It changes the
+    user's class as Keras does for `keras.Model` subclasses, never `cs.Model`.
+    """
+    if cls is Model:
+        return Functional
+    if cls is object or not issubclass(cls, Model) or issubclass(cls, _Functional):
+        return cls
+    cls.__bases__ = tuple(_rebase_on_functional(base) for base in cls.__bases__)
+    return cls
+
+
+@functools.cache
+def _enabled_class(cls):
+    enabled = type(
+        cls.__name__,
+        (ContextMixin, cls),
+        {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__},
+    )
+    _keras_compat.copy_registered_name(cls, enabled)
+    return enabled
+
+
+def enable(model: T) -> T:
+    """Gives an existing Keras model every callscope feature, in place.
+
+    Works on stock Sequential and Functional models, subclassed models and models
+    loaded from `.keras` files. Returns the same object. A model saved afterwards
+    loads back as its original class, without callscope.
+
+    Args:
+        model: a `keras.Model` instance.
+
+    Example:
+
+    >>> import keras, numpy as np, callscope as cs
+    >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    >>> model = cs.enable(model)
+    >>> model.register_context_args("debugging")
+    >>> type(model).__name__, isinstance(model, cs.ContextMixin)
+    ('Sequential', True)
+    >>> model.predict(np.ones((1, 2)), debugging=True, verbose=0).shape
+    (1, 1)
+    """
+    if not isinstance(model, keras.Model):
+        raise TypeError(
+            "`cs.enable()` expects a `keras.Model` instance (Sequential, Functional "
+            "or subclassed). For a layer, use `@cs.context_args(...)` on its class. "
+            f"Received: model={type(model).__name__}"
+        )
+    if not isinstance(model, ContextMixin):
+        model.__class__ = _enabled_class(type(model))
+    return model
+
+
+def context_args(*names: str):
+    """Class decorator: declares the context arguments a Layer or Model takes.
+
+    A decorated layer receives each name as a keyword argument of `call` (give it
+    a default of `None`) from any enclosing model that registered the name, at any
+    depth; layers in between need no plumbing. On a `cs.Model` subclass the names
+    are also registered on the model, so every entry point takes them.
+
+    Args:
+        *names: keyword names, e.g. `"debugging"`.
+
+    Example:
+
+    >>> import keras, numpy as np, callscope as cs
+    >>> @cs.context_args("debugging")
+    ... class AddOne(keras.layers.Layer):
+    ...     def call(self, x, debugging=None):
+    ...         return x + 1.0 if debugging else x
+    >>> model = cs.Sequential([keras.Input((1,)), AddOne()])
+    >>> model.register_context_args("debugging")
+    >>> model.predict(np.zeros((1, 1)), debugging=True, verbose=0)
+    array([[1.]], dtype=float32)
+    """
+    for name in names:
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ValueError(
+                "`@cs.context_args` takes keyword names as strings. "
+                f"Received: {name!r}"
+            )
+
+    def decorate(cls):
+        if not (isinstance(cls, type) and issubclass(cls, keras.layers.Layer)):
+            raise TypeError(
+                "`@cs.context_args` decorates a Keras Layer or Model class. "
+                f"Received: {cls!r}"
+            )
+        inherited = getattr(cls, "_callscope_context_args", ())
+        cls._callscope_context_args = tuple(dict.fromkeys((*inherited, *names)))
+        original_init = cls.__init__
+
+        @functools.wraps(original_init)
+        def __init__(self, *args, **kwargs):
+            original_init(self, *args, **kwargs)
+            declared = type(self)._callscope_context_args
+            if isinstance(self, ContextMixin):
+                self.register_context_args(*declared)
+            else:
+                _keras_compat.register_call_context_args(self, declared)
+
+        cls.__init__ = __init__
+        return cls
+
+    return decorate
