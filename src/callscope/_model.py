@@ -15,6 +15,7 @@ after `enable` loads back as its original class, without callscope.
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import TypeVar
 
 import keras
@@ -199,6 +200,9 @@ def context_args(*names: str):
             else:
                 _keras_compat.register_call_context_args(self, declared)
 
+        # Keras reads the constructor's argspec to build `get_config`
+        # (ops/operation.py), and getfullargspec ignores `__wrapped__`.
+        __init__.__signature__ = inspect.signature(original_init)
         cls.__init__ = __init__
         return cls
 

@@ -1,0 +1,44 @@
+"""Shared test helpers. Each backend runs the whole suite in its own process."""
+
+import os
+
+import keras
+import numpy as np
+import pytest
+
+BACKEND = keras.backend.backend()
+
+
+def pytest_configure(config):
+    expected = os.environ.get("KERAS_BACKEND")
+    if expected and expected != BACKEND:
+        raise pytest.UsageError(
+            f"KERAS_BACKEND={expected} but keras imported the {BACKEND} backend"
+        )
+
+
+@pytest.fixture(autouse=True)
+def _clean_session():
+    keras.utils.clear_session()
+    keras.utils.set_random_seed(0)
+    yield
+
+
+class TraceCounter:
+    """Counts Python executions of a layer's `call`.
+
+    Under JAX and TensorFlow compiled steps, `call` runs in Python once per trace,
+    so this counts traces. Torch runs eagerly (each step is a Python call), so
+    the count there is per step and tests compare `make_*_function` builds instead.
+    """
+
+    def __init__(self):
+        self.count = 0
+
+
+def traces_are_python_calls(jit_compile):
+    return BACKEND in ("jax", "tensorflow") and jit_compile is not False
+
+
+def numpy(x):
+    return np.asarray(keras.ops.convert_to_numpy(x))

@@ -1,0 +1,86 @@
+"""Small models used across tests (imported by the test modules)."""
+
+import keras
+from keras import layers, ops
+
+import callscope as cs
+
+
+class Inner(layers.Layer):
+    """The first seed's layer: adds 1 when `foo_mode` is on."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self._register_call_context_args("foo_mode")
+
+    def call(self, x, foo_mode=False):
+        return x + ops.where(foo_mode, 1.0, 0.0)
+
+
+class Outer(layers.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.inner = Inner()
+
+    def call(self, x):
+        return self.inner(x)
+
+
+@cs.context_args("debugging")
+class Probe(layers.Layer):
+    """Adds 100 when `debugging`, and records every value it sees in Python."""
+
+    def __init__(self, seen=None, **kwargs):
+        super().__init__(**kwargs)
+        self.seen = seen if seen is not None else []
+
+    def call(self, x, debugging=None):
+        self.seen.append(debugging)
+        return x + 100.0 if debugging else x
+
+
+class Deep(layers.Layer):
+    """Three levels of plain layers around a Probe: no plumbing in between."""
+
+    def __init__(self, seen=None, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = layers.Dense(1, kernel_initializer="ones", use_bias=False)
+        self.level1 = Level(Level(Probe(seen)))
+
+    def call(self, x):
+        return self.level1(self.dense(x))
+
+
+class Level(layers.Layer):
+    def __init__(self, child, **kwargs):
+        super().__init__(**kwargs)
+        self.child = child
+
+    def call(self, x):
+        return self.child(x)
+
+
+class SubModel(cs.Model):
+    """A subclassed cs.Model with a Probe three levels deep."""
+
+    def __init__(self, seen=None, **kwargs):
+        super().__init__(**kwargs)
+        self.deep = Deep(seen)
+        self.register_context_args("debugging")
+
+    def call(self, x):
+        return self.deep(x)
+
+
+def make_models(seen):
+    """One model of each kind, all computing sum(x) (+100 when debugging)."""
+    sub = SubModel(seen)
+    seq = cs.Sequential([keras.Input((3,)), Deep(seen)])
+    seq.register_context_args("debugging")
+    inputs = keras.Input((3,))
+    fun = cs.Model(inputs, Deep(seen)(inputs))
+    fun.register_context_args("debugging")
+    stock = keras.Sequential([keras.Input((3,)), Deep(seen)])
+    enabled = cs.enable(stock)
+    enabled.register_context_args("debugging")
+    return {"subclassed": sub, "sequential": seq, "functional": fun, "enabled": enabled}
