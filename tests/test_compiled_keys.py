@@ -1,0 +1,117 @@
+"""One compiled function per static value: no retrace when switching, no stale trace."""
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+from conftest import BACKEND
+
+import callscope as cs
+
+X = np.arange(8, dtype="float32").reshape(4, 2)
+Y = X.sum(axis=1, keepdims=True)
+
+
+def _counting_model(jit_compile="auto"):
+    traces = []
+
+    @cs.context_args("mode")
+    class Scale(keras.layers.Layer):
+        def call(self, x, mode=None):
+            traces.append(mode)  # runs in Python once per trace (jax, tf)
+            return x * {None: 1.0, "double": 2.0, "triple": 3.0}.get(mode, -1.0)
+
+    @cs.context_args("mode")
+    class Net(cs.Model):
+        def __init__(self):
+            super().__init__()
+            self.dense = keras.layers.Dense(1, kernel_initializer="ones", use_bias=False)
+            self.scale = Scale()
+
+        def call(self, x):
+            return self.scale(self.dense(x))
+
+    net = Net()
+    net.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse", jit_compile=jit_compile)
+    return net, traces
+
+
+def _builds(model):
+    """Counts how many compiled functions Keras makes (every backend)."""
+    counts = {"predict": 0, "test": 0, "train": 0}
+    for kind in counts:
+        original = getattr(model, f"make_{kind}_function")
+
+        def make(*args, _kind=kind, _original=original, **kwargs):
+            if getattr(model, f"{_kind}_function") is None:
+                counts[_kind] += 1
+            return _original(*args, **kwargs)
+
+        setattr(model, f"make_{kind}_function", make)
+    return counts
+
+
+@pytest.mark.parametrize("jit_compile", [False, True] if BACKEND != "torch" else [False])
+def test_switching_values_never_retraces_and_never_reuses_the_wrong_trace(jit_compile):
+    net, traces = _counting_model(jit_compile)
+    builds = _builds(net)
+    modes = [None, "double", None, "triple", "double", None, "triple"] * 2
+    for mode in modes:
+        out = net.predict(X, mode=mode, verbose=0)
+        np.testing.assert_allclose(out, Y * {None: 1, "double": 2, "triple": 3}[mode])
+    assert builds["predict"] == 3
+    if BACKEND == "tensorflow" or (BACKEND == "jax" and jit_compile):
+        # One trace per value (the symbolic build adds one default-valued call).
+        assert sorted(set(traces), key=str) == sorted({None, "double", "triple"}, key=str)
+        assert traces.count("double") == 1 and traces.count("triple") == 1
+    for mode in ["double", None, "triple"] * 2:
+        expected = (Y * {None: 1, "double": 2, "triple": 3}[mode] - Y) ** 2
+        assert net.evaluate(X, Y, mode=mode, verbose=0) == pytest.approx(expected.mean())
+    assert builds["test"] == 3
+
+
+def test_torch_compile_gives_the_right_values_per_key():
+    if BACKEND != "torch":
+        pytest.skip("torch.compile is the torch backend's jit_compile")
+    net, _ = _counting_model(jit_compile=True)
+    for mode in ["double", None, "triple", "double", None]:
+        out = net.predict(X, mode=mode, verbose=0)
+        np.testing.assert_allclose(out, Y * {None: 1, "double": 2, "triple": 3}[mode])
+
+
+def test_compile_again_clears_the_cache():
+    net, traces = _counting_model()
+    builds = _builds(net)
+    net.predict(X, mode="double", verbose=0)
+    net.predict(X, verbose=0)
+    net.compile(optimizer="sgd", loss="mse")
+    net.predict(X, mode="double", verbose=0)
+    net.predict(X, verbose=0)
+    assert builds["predict"] == 4
+
+
+def test_the_cache_is_bounded_and_evicts_with_a_warning():
+    net, _ = _counting_model()
+    net.context_cache_size = 2
+    builds = _builds(net)
+    net.predict(X, mode="double", verbose=0)
+    net.predict(X, mode="triple", verbose=0)
+    with pytest.warns(UserWarning, match="context_cache_size=2"):
+        net.predict(X, mode="other", verbose=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        net.predict(X, mode="triple", verbose=0)  # still cached: no warning
+    assert builds["predict"] == 3
+    with pytest.warns(UserWarning, match="evicted"):
+        net.predict(X, mode="double", verbose=0)  # evicted before: rebuilt
+    assert builds["predict"] == 4
+
+
+def test_unused_model_leaves_keras_functions_in_place():
+    model = cs.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(loss="mse")
+    model.predict(X, verbose=0)
+    first = model.predict_function
+    model.predict(X, verbose=0)
+    assert model.predict_function is first is not None

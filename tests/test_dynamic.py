@@ -1,0 +1,79 @@
+"""Dynamic context arguments: numbers and arrays as tensors, never retracing."""
+
+import keras
+import numpy as np
+import pytest
+from conftest import BACKEND, numpy
+
+import callscope as cs
+
+X = np.arange(8, dtype="float32").reshape(4, 2)
+
+
+@cs.context_args("temperature")
+class Divide(keras.layers.Layer):
+    def __init__(self, traces=None, **kwargs):
+        super().__init__(**kwargs)
+        self.traces = [] if traces is None else traces
+
+    def call(self, x, temperature=None):
+        self.traces.append(1)
+        if temperature is None:
+            return x
+        assert keras.ops.is_tensor(temperature) or isinstance(temperature, np.ndarray)
+        return x / temperature
+
+
+def _model(traces):
+    model = cs.Sequential([keras.Input((2,)), keras.layers.Dense(3, kernel_initializer="ones"),
+                           Divide(traces)])
+    model.register_context_args("temperature", dynamic=True)
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+    return model
+
+
+@pytest.mark.parametrize("jit_compile", [False, True] if BACKEND != "torch" else [False])
+def test_changing_a_dynamic_value_never_retraces(jit_compile):
+    traces = []
+    model = _model(traces)
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse", jit_compile=jit_compile)
+    base = model.predict(X, verbose=0)
+    traced = None
+    for t in [1.0, 2.0, 4.0, 0.5, 3.0]:
+        np.testing.assert_allclose(model.predict(X, temperature=t, verbose=0), base / t, rtol=1e-6)
+        np.testing.assert_allclose(model.predict_on_batch(X, temperature=t), base / t, rtol=1e-6)
+        expected = np.mean((base / t - base) ** 2)
+        assert model.evaluate(X, base, temperature=t, verbose=0) == pytest.approx(expected, rel=1e-5)
+        traced = len(traces) if traced is None else traced
+    if BACKEND == "tensorflow" or (BACKEND == "jax" and jit_compile):
+        assert len(traces) == traced  # no trace after the first value
+    # Not passing the value returns to the layer's own default.
+    np.testing.assert_allclose(model.predict(X, verbose=0), base)
+
+
+def test_dynamic_values_reach_fit_and_arrays_work():
+    traces = []
+    model = _model(traces)
+    base = model.predict(X, verbose=0)
+    t = np.array([1.0, 2.0, 4.0], "float32")
+    history = model.fit(X, base / t, temperature=t, epochs=1, verbose=0)
+    assert history.history["loss"][0] == pytest.approx(0.0, abs=1e-8)
+    np.testing.assert_allclose(numpy(model(X, temperature=t)), base / t, rtol=1e-6)
+    with cs.context(temperature=t * 2):
+        np.testing.assert_allclose(model.predict(X, verbose=0), base / (t * 2), rtol=1e-6)
+
+
+def test_a_dynamic_value_keeps_its_first_shape():
+    model = _model([])
+    model.predict(X, temperature=2.0, verbose=0)
+    with pytest.raises(ValueError, match=r"keeps the shape of its first value, \(\)"):
+        model.predict(X, temperature=np.ones(3), verbose=0)
+
+
+def test_dynamic_variables_stay_out_of_saved_weights(tmp_path):
+    model = _model([])
+    model.predict(X, temperature=2.0, verbose=0)
+    path = str(tmp_path / "m.keras")
+    model.save(path)
+    loaded = keras.saving.load_model(path, custom_objects={"Divide": Divide})
+    np.testing.assert_allclose(loaded.predict(X, verbose=0), model.predict(X, verbose=0))
