@@ -413,11 +413,16 @@ class ContextMixin:
             if propagates:
                 kwargs.update(delivered)
                 return call()
+            # As Keras's `__call__` does (and `stateless_call` on keras main): a
+            # context argument the model's `call` does not declare, `training`
+            # included, goes to the call context only.
             params = _keras_compat.call_signature_parameters(self)
-            kwargs.update({n: v for n, v in delivered.items() if n in params})
             entered = dict(delivered)
             if kwargs.get("training") is not None:
                 entered["training"] = kwargs["training"]
+            if "training" in kwargs and "training" not in params:
+                del kwargs["training"]
+            kwargs.update({n: v for n, v in delivered.items() if n in params})
             with _keras_compat.entered_call_context(self, entered):
                 return call()
 
