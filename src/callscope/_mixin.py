@@ -191,6 +191,9 @@ class ContextMixin:
     def _cs_resolve(self, given: Mapping[str, Any]) -> dict[str, Any]:
         """Explicit value > scope value > absent; validates static values."""
         state = self._cs
+        if not state.unbaked:
+            _keras_compat.unbake_functional_defaults(self, state.names)
+            state.unbaked = True
         scope = _context.scope_values()
         values = {}
         for name in state.names:
@@ -252,9 +255,6 @@ class ContextMixin:
                 _keras_compat.restore_purged_values(snapshot)
                 raise
             return
-        if not state.unbaked:
-            _keras_compat.unbake_functional_defaults(self, state.names)
-            state.unbaked = True
         values = self._cs_resolve(given)
         for name in state.dynamic:
             if name in values:

@@ -1,0 +1,122 @@
+"""The Keras 3.15.1 traps from DESIGN §5, each pinned by a test."""
+
+import keras
+import numpy as np
+import pytest
+from conftest import numpy
+
+import callscope as cs
+
+X = np.arange(8, dtype="float32").reshape(4, 2)
+Y = X.sum(axis=1, keepdims=True)
+
+
+class DefaultFalse(keras.layers.Layer):
+    """Registered the seed's way, with a `False` signature default."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self._register_call_context_args("foo_mode")
+
+    def call(self, x, foo_mode=False):
+        return x + 1.0 if foo_mode else x
+
+
+def test_signature_default_in_a_functional_graph_still_honours_the_value():
+    inputs = keras.Input((2,))
+    model = cs.Model(inputs, DefaultFalse()(inputs))
+    model.register_context_args("foo_mode")
+    np.testing.assert_allclose(numpy(model(X, foo_mode=True)), X + 1)
+    np.testing.assert_allclose(model.predict(X, foo_mode=True, verbose=0), X + 1)
+    np.testing.assert_allclose(model.predict(X, verbose=0), X)
+
+
+def test_explicit_construction_kwarg_differing_from_default_is_kept():
+    inputs = keras.Input((2,))
+    model = cs.Model(inputs, DefaultFalse()(inputs, foo_mode=True))
+    model.register_context_args("foo_mode")
+    np.testing.assert_allclose(model.predict(X, verbose=0), X + 1)
+
+
+class FailWhenDebugging(keras.layers.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(1)
+        self._register_call_context_args("debugging")
+
+    def call(self, x, debugging=None):
+        if debugging:
+            raise RuntimeError("layer refused to run in debugging mode")
+        return self.dense(x)
+
+
+def test_exception_mid_fit_leaves_weights_and_no_context_behind():
+    model = cs.Sequential([keras.Input((2,)), FailWhenDebugging()])
+    model.register_context_args("debugging")
+    model.compile(optimizer="sgd", loss="mse")
+    before = [numpy(v) for v in model.weights]
+    with pytest.raises(RuntimeError, match="refused"):
+        model.fit(X, Y, debugging=True, epochs=1, verbose=0)
+    # JAX purges every variable before the first step; they are back.
+    after = [numpy(v) for v in model.weights]
+    for a, b in zip(before, after):
+        np.testing.assert_array_equal(a, b)
+    assert cs.current("debugging") is None
+    assert "train_step" not in model.__dict__
+    history = model.fit(X, Y, epochs=1, verbose=0)
+    assert np.isfinite(history.history["loss"][0])
+    np.testing.assert_allclose(model.predict(X, verbose=0).shape, (4, 1))
+
+
+@keras.saving.register_keras_serializable(package="callscope_tests")
+class CustomCompile(cs.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(1)
+
+    def call(self, x):
+        return self.dense(x)
+
+    def compile(self, *args, **kwargs):
+        self.compiled_by_user = True
+        return super().compile(*args, **kwargs)
+
+
+def test_overriding_compile_does_not_break_loading(tmp_path):
+    model = CustomCompile()
+    model.compile(optimizer="adam", loss="mse")
+    model.fit(X, Y, epochs=1, verbose=0)
+    path = str(tmp_path / "m.keras")
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    assert loaded.compiled and loaded.compiled_by_user
+    assert loaded.evaluate(X, Y, verbose=0) == pytest.approx(model.evaluate(X, Y, verbose=0))
+
+
+def test_validation_inside_fit_reenters_evaluate_with_the_same_value():
+    calls = []
+
+    class Spy(cs.Sequential):
+        def evaluate(self, *args, **kwargs):
+            calls.append(cs.current("debugging"))
+            return super().evaluate(*args, **kwargs)
+
+    model = Spy([keras.Input((2,)), keras.layers.Dense(1)])
+    model.register_context_args("debugging")
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(X, Y, debugging=True, epochs=2, verbose=0, validation_data=(X, Y))
+    assert calls == [True, True]
+    model.fit(X, Y, epochs=1, verbose=0, validation_data=(X, Y))
+    assert calls == [True, True, None]
+
+
+def test_probes_report_the_keras_behaviour():
+    from callscope import _keras_compat
+
+    # keras 3.15.x drops context args in stateless_call and bakes defaults;
+    # keras main fixed both. Either way the probes must give a bool.
+    assert isinstance(_keras_compat.stateless_call_propagates(), bool)
+    assert isinstance(_keras_compat.functional_nodes_bake_defaults(), bool)
+    if keras.__version__.startswith("3.15."):
+        assert not _keras_compat.stateless_call_propagates()
+        assert _keras_compat.functional_nodes_bake_defaults()
