@@ -1,0 +1,78 @@
+"""Runs one distribution scenario in a fresh process and prints JSON results.
+
+Device counts must be fixed before the backend initialises, hence the process.
+Usage: python distributed_worker.py jax|tensorflow
+"""
+
+import json
+import os
+import sys
+import threading
+
+ENGINE = sys.argv[1]
+if ENGINE == "jax":
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+os.environ["KERAS_BACKEND"] = ENGINE
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+import callscope as cs  # noqa: E402
+
+if ENGINE == "tensorflow":
+    import tensorflow as tf
+
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(
+        cpu, [tf.config.LogicalDeviceConfiguration()] * 2
+    )
+
+X = np.arange(32, dtype="float32").reshape(16, 2) / 10.0
+Y = (X.sum(axis=1, keepdims=True) * 3.0).astype("float32")
+seen = []
+
+
+@cs.context_args("debugging")
+class Probe(keras.layers.Layer):
+    def call(self, x, debugging=None):
+        seen.append((threading.current_thread().name, debugging))
+        return x + 100.0 if debugging else x
+
+
+def build():
+    keras.utils.set_random_seed(0)
+    model = cs.Sequential([keras.Input((2,)), keras.layers.Dense(1), Probe()])
+    model.register_context_args("debugging")
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    return model
+
+
+def run(model):
+    out = {}
+    out["predict_on"] = model.predict(X, debugging=True, batch_size=8, verbose=0).tolist()
+    out["predict_off"] = model.predict(X, batch_size=8, verbose=0).tolist()
+    out["eval_on"] = float(model.evaluate(X, Y, debugging=True, batch_size=8, verbose=0))
+    hist = model.fit(X, Y, debugging=True, epochs=2, batch_size=8, verbose=0)
+    out["fit_on"] = hist.history["loss"]
+    hist = model.fit(X, Y, epochs=2, batch_size=8, verbose=0)
+    out["fit_off"] = hist.history["loss"]
+    out["weights"] = [np.asarray(keras.ops.convert_to_numpy(w)).tolist() for w in model.weights]
+    return out
+
+
+results = {"single": run(build())}
+if ENGINE == "jax":
+    devices = keras.distribution.list_devices("cpu")
+    results["devices"] = len(devices)
+    keras.distribution.set_distribution(keras.distribution.DataParallel(devices=devices))
+    results["distributed"] = run(build())
+    keras.distribution.set_distribution(None)
+else:
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    results["devices"] = strategy.num_replicas_in_sync
+    seen.clear()
+    with strategy.scope():
+        model = build()
+    results["distributed"] = run(model)
+    results["threads_with_value"] = sorted({t for t, v in seen if v is True})
+print("RESULTS " + json.dumps(results))
