@@ -1,0 +1,22 @@
+"""Every example runs, on this backend, as a user would run it."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import BACKEND
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+JAX_ONLY = {"seed_002_custom_fit_jax.py"}  # the guide it comes from is JAX-only
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in EXAMPLES.glob("*.py")))
+def test_example_runs(name):
+    if name in JAX_ONLY and BACKEND != "jax":
+        pytest.skip("a stateless JAX train_step runs on the JAX backend only")
+    env = {**os.environ, "KERAS_BACKEND": BACKEND}
+    proc = subprocess.run([sys.executable, str(EXAMPLES / name)], capture_output=True,
+                          text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]

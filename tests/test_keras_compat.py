@@ -1,0 +1,38 @@
+"""Fail loudly if Keras moves an internal that callscope relies on."""
+
+import pathlib
+import re
+
+import keras
+import pytest
+
+from callscope import _keras_compat
+
+SRC = pathlib.Path(_keras_compat.__file__).parent
+
+
+@pytest.mark.parametrize("owner, name", _keras_compat.REQUIRED_ATTRIBUTES,
+                         ids=lambda x: getattr(x, "__name__", x))
+def test_private_attribute_still_exists(owner, name):
+    assert _keras_compat.has_private_attribute(owner, name), (
+        f"keras {keras.__version__} no longer has {owner.__name__}.{name}; "
+        f"callscope was checked against {_keras_compat.CHECKED_AGAINST}"
+    )
+
+
+def test_private_keras_api_is_used_only_in_the_compat_module():
+    pattern = re.compile(r"keras\.src|\._register_call_context_args|\._call_context_args|"
+                         r"\._tracker|\._flatten_layers|\._value\b|_nodes_by_depth")
+    offenders = []
+    for path in SRC.rglob("*.py"):
+        if path.name == "_keras_compat.py":
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if pattern.search(line):
+                offenders.append(f"{path.name}:{number}: {line.strip()}")
+    assert not offenders, offenders
+
+
+def test_keras_version_is_in_the_supported_range():
+    major, minor = (int(p) for p in keras.__version__.split(".")[:2])
+    assert (major, minor) >= (3, 15)
