@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 BACKEND = keras.backend.backend()
+collect_ignore = ["distributed_worker.py"]  # a script run in its own process
 
 
 def pytest_configure(config):

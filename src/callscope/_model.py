@@ -88,7 +88,7 @@ class Sequential(ContextMixin, keras.Sequential):
     >>> import keras, numpy as np, callscope as cs
     >>> model = cs.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     >>> model.register_context_args("debugging")
-    >>> model(np.ones((1, 2)), debugging=True).shape
+    >>> tuple(model(np.ones((1, 2)), debugging=True).shape)
     (1, 1)
     """
 
