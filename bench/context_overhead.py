@@ -1,0 +1,144 @@
+"""What context arguments cost: callscope against stock Keras, side by side.
+
+Prints ratios (callscope time / stock time) measured in one run, per backend, on
+an 8-block MLP. Each pair is timed interleaved, after a warm-up, and the median of
+the repeats is reported. This is a script, not a timed test.
+
+Usage:
+    python bench/context_overhead.py                 # jax, tensorflow, torch
+    python bench/context_overhead.py --backend jax --repeats 9
+"""
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+BACKENDS = ("jax", "tensorflow", "torch")
+
+
+def run_backend(repeats):
+    import keras
+    import numpy as np
+
+    import callscope as cs
+
+    traces = {"stock": 0, "cs": 0}
+
+    def make_block(hard_coded, counter):
+        class Block(keras.layers.Layer):
+            def __init__(self, **kwargs):
+                super().__init__(**kwargs)
+                self.dense = keras.layers.Dense(256, activation="relu")
+                self._register_call_context_args("debugging")
+
+            def call(self, x, debugging=None):
+                traces[counter] += 1
+                if hard_coded if hard_coded is not None else debugging:
+                    x = x * 0.5
+                return self.dense(x)
+
+        return Block
+
+    def make_model(base, hard_coded=None, counter="stock"):
+        block = make_block(hard_coded, counter)
+
+        class MLP(base):
+            def __init__(self):
+                super().__init__()
+                self.blocks = [block() for _ in range(8)]
+                self.head = keras.layers.Dense(10)
+
+            def call(self, x):
+                for b in self.blocks:
+                    x = b(x)
+                return self.head(x)
+
+        keras.utils.set_random_seed(0)
+        model = MLP()
+        model.compile(optimizer="sgd", loss="mse")
+        return model
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(4096, 256)).astype("float32")
+    y = rng.normal(size=(4096, 10)).astype("float32")
+
+    def timed(fn):
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
+    def ratio(ours, stock):
+        ours(), stock()  # warm-up: compile both
+        pairs = []
+        for i in range(repeats):
+            order = (ours, stock) if i % 2 == 0 else (stock, ours)
+            times = {f: timed(f) for f in order}
+            pairs.append((times[ours], times[stock]))
+        r = statistics.median(a / b for a, b in pairs)
+        return r, statistics.median(b for _, b in pairs)
+
+    rows = []
+    stock = make_model(keras.Model)
+    ours = make_model(cs.Model)
+    r, t = ratio(lambda: ours.predict(x, batch_size=256, verbose=0),
+                 lambda: stock.predict(x, batch_size=256, verbose=0))
+    rows.append(("cs.Model unused vs keras.Model: predict", r, t, ""))
+    r, t = ratio(lambda: ours.fit(x, y, batch_size=256, epochs=1, verbose=0),
+                 lambda: stock.fit(x, y, batch_size=256, epochs=1, verbose=0))
+    rows.append(("cs.Model unused vs keras.Model: fit epoch", r, t, ""))
+
+    stock_on = make_model(keras.Model, hard_coded=True)
+    ours = make_model(cs.Model)
+    ours.register_context_args("debugging")
+    r, t = ratio(lambda: ours.predict(x, batch_size=256, verbose=0, debugging=True),
+                 lambda: stock_on.predict(x, batch_size=256, verbose=0))
+    rows.append(("predict(debugging=True) vs hard-coded", r, t, ""))
+    r, t = ratio(lambda: ours.fit(x, y, batch_size=256, epochs=1, verbose=0, debugging=True),
+                 lambda: stock_on.fit(x, y, batch_size=256, epochs=1, verbose=0))
+    rows.append(("fit(debugging=True) vs hard-coded", r, t, ""))
+
+    stock = make_model(keras.Model, counter="stock")
+    ours = make_model(cs.Model, counter="cs")
+    ours.register_context_args("debugging")
+    xs = x[:512]
+
+    def alternate():
+        for i in range(10):
+            ours.predict(xs, batch_size=256, verbose=0, debugging=bool(i % 2))
+
+    def plain():
+        for _ in range(10):
+            stock.predict(xs, batch_size=256, verbose=0)
+
+    alternate(), plain()  # first of each value
+    traces["cs"] = traces["stock"] = 0
+    r, t = ratio(alternate, plain)
+    note = f"block calls after warm-up: callscope {traces['cs']}, stock {traces['stock']}"
+    if keras.backend.backend() == "torch":
+        note += " (torch runs eagerly: calls, not traces)"
+    rows.append(("10 predicts alternating True/False vs stock", r, t, note))
+
+    print(f"\n{keras.backend.backend()} (keras {keras.__version__}, {repeats} repeats)")
+    for name, r, t, note in rows:
+        print(f"  {name:<46} {r:6.3f}x   (stock {t * 1000:7.1f} ms)  {note}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", choices=BACKENDS)
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+    if args.backend:
+        run_backend(args.repeats)
+        return
+    for backend in BACKENDS:
+        env = {**os.environ, "KERAS_BACKEND": backend}
+        subprocess.run([sys.executable, __file__, "--backend", backend,
+                        "--repeats", str(args.repeats)], env=env, check=True)
+
+
+if __name__ == "__main__":
+    main()
