@@ -14,6 +14,11 @@ Example:
 ...     _ = model.predict(np.ones((2, 2)), verbose=0)
 """
 
+from callscope._capture import Capture as Capture
+from callscope._capture import capture as capture
+from callscope._capture import collecting as collecting
+from callscope._capture import emit as emit
+from callscope._capture import sow as sow
 from callscope._context import context as context
 from callscope._context import current as current
 from callscope._mixin import ContextMixin as ContextMixin
@@ -26,12 +31,17 @@ from callscope._model import enable as enable
 __version__ = "0.1.0"
 
 __all__ = [
+    "Capture",
     "ContextMixin",
     "Functional",
     "Model",
     "Sequential",
+    "capture",
+    "collecting",
     "context",
     "context_args",
     "current",
+    "emit",
     "enable",
+    "sow",
 ]

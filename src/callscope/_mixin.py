@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import inspect
 import threading
 import warnings
@@ -27,7 +28,7 @@ from typing import Any
 import keras
 import numpy as np
 
-from callscope import _context, _keras_compat
+from callscope import _capture, _context, _keras_compat, _steps
 
 DEFAULT_CACHE_SIZE = 8
 _KINDS = ("train", "test", "predict")
@@ -40,6 +41,7 @@ _ENTRY_KINDS = {
     "predict_on_batch": ("predict",),
 }
 _DYNAMIC = "<dynamic>"  # stands for a dynamic value in a key
+_CAPTURE = "<capture>"  # key entry holding the specs of the active captures
 _MISSING = object()
 
 
@@ -47,21 +49,36 @@ class _KeyEntry:
     """The compiled functions and step closures of one key."""
 
     def __init__(self, model: Any, key: tuple, values: Mapping[str, Any]):
+        specs = _specs_of(key)
         self.functions: dict[str, Any] = dict.fromkeys(_KINDS)
-        self.steps = {kind: _step_closure(model, kind, values) for kind in _KINDS} if key else {}
+        self.steps = (
+            {kind: _step_closure(model, kind, values, specs) for kind in _KINDS} if key else {}
+        )
 
 
-def _step_closure(model, kind, values):
+def _specs_of(key: tuple) -> tuple:
+    return key[-1][1] if key and key[-1][0] == _CAPTURE else ()
+
+
+def _step_closure(model, kind, values, specs):
     """A fresh callable over `type(model).<kind>_step` that enters `values`.
 
     It is new per key on purpose: JAX keys its trace cache on the callable, and a
-    bound method is equal across keys. Everything it reads is fixed by `values`.
+    bound method is equal across keys. Everything it reads is fixed by `values`
+    and `specs`. With capture specs, it collects inside the step and returns the
+    records as extra outputs.
     """
     step = getattr(type(model), f"{kind}_step")
 
     def scoped_step(*args, **kwargs):
         with _context.pushed(values):
-            return step(model, *args, **kwargs)
+            if not specs:
+                return step(model, *args, **kwargs)
+            with _capture.collecting_for(specs) as collector:
+                result = step(model, *args, **kwargs)
+                result = _steps.unsmuggle(result, collector)
+                model._cs.seen.update(dict.fromkeys(p for _, p, _, _, _ in collector.tree))
+                return _steps.attach(kind, result, collector.finalize())
 
     scoped_step.__name__ = f"{kind}_step"
     return scoped_step
@@ -77,6 +94,10 @@ class _State:
         self.installed: tuple = ()
         self.lock = threading.RLock()
         self.unbaked = False
+        self.captures: list = []  # open cs.capture scopes, outermost first
+        self.sinks: tuple = ()  # the captures the running call fills
+        self.running: list[str] = []  # entry points in progress (fit, predict, ...)
+        self.seen: dict[str, None] = {}  # points seen in traces, for error messages
 
     @property
     def names(self) -> set[str]:
@@ -218,7 +239,7 @@ class ContextMixin:
         array = np.asarray(keras.ops.convert_to_numpy(value))
         if variable is None:
             dtype = keras.config.floatx() if array.dtype.kind == "f" else str(array.dtype)
-            strategy = getattr(self, "_distribute_strategy", None)
+            strategy = getattr(self, "distribute_strategy", None)
             scope = strategy.scope() if strategy is not None else contextlib.nullcontext()
             with scope:
                 variable = keras.Variable(
@@ -240,7 +261,7 @@ class ContextMixin:
     # Entry points
     # ------------------------------------------------------------------
     @contextlib.contextmanager
-    def _cs_entry(self, method: str, given: Mapping[str, Any]) -> Iterator[None]:
+    def _cs_entry(self, method: str, given: Mapping[str, Any], first_batch=None) -> Iterator[None]:
         """Enters the key of one public call: scope, functions, step closures."""
         state = self._cs
         snapshot = (
@@ -248,7 +269,8 @@ class ContextMixin:
             if method in ("fit", "train_on_batch")
             else ()
         )
-        if not state.names:
+        captures = tuple(state.captures)
+        if not state.names and not captures:
             try:
                 yield
             except BaseException:
@@ -260,22 +282,72 @@ class ContextMixin:
             if name in values:
                 values[name] = self._cs_dynamic_variable(name, values[name])
         key = self._cs_key(values)
+        if captures:
+            _steps.check_capture_supported(self, method)
         # Names this model registered but that are not set are blanked out, so an
         # outer scope's value cannot reach a trace of another key.
         pushed = {**dict.fromkeys(state.names), **values}
         with _context.pushed(pushed), state.lock:
-            previous = state.installed
-            swapped = key != previous
-            if swapped:
-                saved_steps = self._cs_install(key, values)
+            sinks, state.sinks = state.sinks, captures
+            state.running.append(method)
             try:
-                yield
+                with self._cs_capturing(captures, first_batch=first_batch) as specs:
+                    if specs:
+                        key = (*key, (_CAPTURE, specs))
+                    previous = state.installed
+                    swapped = key != previous
+                    if swapped:
+                        saved_steps = self._cs_install(key, values)
+                    try:
+                        yield
+                    finally:
+                        if swapped:
+                            self._cs_uninstall(key, previous, saved_steps)
+                for capture in captures:
+                    capture._calls += 1
             except BaseException:
                 _keras_compat.restore_purged_values(snapshot)
                 raise
             finally:
-                if swapped:
-                    self._cs_uninstall(key, previous, saved_steps)
+                state.running.pop()
+                state.sinks = sinks
+
+    @contextlib.contextmanager
+    def _cs_capturing(self, captures, first_batch=None):
+        """Wraps the selected layers and settles each capture's spec for the run."""
+        if not captures:
+            yield ()
+            return
+        specs = tuple(c.spec for c in captures)
+        with _capture.wrapped_layers(self, specs):
+            if any(s.stats and "hist" in s.stats and not s.hist_range and not s.ranges
+                   for s in specs):
+                self._cs_hist_ranges(captures, first_batch)
+                specs = tuple(c.spec for c in captures)
+            yield specs
+
+    def _cs_hist_ranges(self, captures, first_batch):
+        """Fixes histogram ranges from an eager pass over the first batch."""
+        if first_batch is None:
+            raise ValueError(
+                "cs.capture(reduce=('hist', ...)) takes its histogram range from the "
+                "first batch only for array inputs. For a dataset or generator, pass "
+                "`hist_range=(lo, hi)`. Received: hist_range=None"
+            )
+        probe = tuple(dataclasses.replace(c.spec, stats=("min", "max"), hist_range=(0.0, 1.0))
+                      for c in captures)
+        with _capture.collecting_for(probe) as collector:
+            self(first_batch, training=False)
+            found = collector.finalize()
+        for index, capture in enumerate(captures):
+            ranges = []
+            for name, part in found.items():
+                i, key = name.split("|", 1)
+                if int(i) == index:
+                    lo = float(_keras_compat_to_float(part["min"]))
+                    hi = float(_keras_compat_to_float(part["max"]))
+                    ranges.append((key, lo, hi if hi > lo else lo + 1.0))
+            capture.spec = dataclasses.replace(capture.spec, ranges=tuple(sorted(ranges)))
 
     def _cs_entry_for(self, key: tuple, values: Mapping[str, Any]) -> _KeyEntry:
         state = self._cs
@@ -333,8 +405,64 @@ class ContextMixin:
     def _cs_run(self, method: str, args: tuple, kwargs: dict) -> Any:
         allowed = _keras_method_parameters(type(self), method)
         given = self._cs_split(method, kwargs, allowed)
-        with self._cs_entry(method, given):
+        first_batch = _first_batch(args, kwargs) if self._cs.captures else None
+        with self._cs_entry(method, given, first_batch=first_batch):
             return getattr(super(), method)(*args, **kwargs)
+
+    # ------------------------------------------------------------------
+    # Capture plumbing (see _capture.py and _steps.py)
+    # ------------------------------------------------------------------
+    def _cs_push_capture(self, capture) -> None:
+        with self._cs.lock:
+            self._cs.captures.append(capture)
+
+    def _cs_pop_capture(self, capture) -> None:
+        with self._cs.lock:
+            self._cs.captures.remove(capture)
+
+    def _cs_known_points(self) -> list[str]:
+        layers = [_capture.point_of(layer) for layer in _keras_compat.flatten_layers(self)
+                  if not isinstance(layer, keras.layers.InputLayer)]
+        return list(dict.fromkeys([*layers, *self._cs.seen]))
+
+    def _cs_sink(self, kind: str, sown: Mapping[str, Any]) -> None:
+        state = self._cs
+        if kind == "test" and "fit" in state.running:
+            return  # validation inside fit: fit captures its training steps only
+        for name, value in sown.items():
+            index, key = name.split("|", 1)
+            state.sinks[int(index)]._add(kind, key, value)
+
+    def _cs_wrap_function(self, kind: str):
+        function = getattr(self, f"{kind}_function", None)
+        if function is None or getattr(function, "_callscope_popper", False):
+            return function
+        if not _specs_of(self._cs.installed):
+            return function
+        wrapped = _steps.popper(self, kind, function)
+        setattr(self, f"{kind}_function", wrapped)
+        return wrapped
+
+    def make_train_function(self, force=False):
+        super().make_train_function(force=force)
+        return self._cs_wrap_function("train")
+
+    def make_test_function(self, force=False):
+        super().make_test_function(force=force)
+        return self._cs_wrap_function("test")
+
+    def make_predict_function(self, force=False):
+        super().make_predict_function(force=force)
+        return self._cs_wrap_function("predict")
+
+    def compute_loss_and_updates(self, *args, **kwargs):
+        # JAX only (its trainer's forward for grad): carry sown values out of the
+        # differentiated function through the aux output (see _steps.py).
+        if _capture.active_collector() is None:
+            return super().compute_loss_and_updates(*args, **kwargs)
+        with _capture.collecting() as sown:
+            loss, aux = super().compute_loss_and_updates(*args, **kwargs)
+        return loss, _steps.smuggle(aux, sown.values)
 
     def fit(self, *args, **kwargs):
         return self._cs_run("fit", args, kwargs)
@@ -374,6 +502,12 @@ class ContextMixin:
     # ------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
         state = self._cs
+        eager_capture = (
+            state.captures and not state.running and _capture.active_collector() is None
+            and not any(isinstance(a, keras.KerasTensor) for a in keras.tree.flatten(args))
+        )
+        if eager_capture:
+            return self._cs_call_capturing(*args, **kwargs)
         if not state.names and not isinstance(self, _STRICT_KWARGS_CLASSES):
             return super().__call__(*args, **kwargs)
         allowed = _direct_call_parameters(self)
@@ -383,6 +517,28 @@ class ContextMixin:
         with _context.pushed(pushed):
             kwargs.update({n: _delivered(v) for n, v in values.items()})
             return super().__call__(*args, **kwargs)
+
+    def _cs_call_capturing(self, *args, **kwargs):
+        """A direct `model(x)` inside a capture scope: collected eagerly."""
+        state = self._cs
+        captures = tuple(state.captures)
+        sinks, state.sinks = state.sinks, captures
+        state.running.append("__call__")
+        try:
+            with self._cs_capturing(captures, first_batch=args[0] if args else None) as specs:
+                with _capture.collecting_for(specs) as collector:
+                    outputs = self(*args, **kwargs)
+                    sown = collector.finalize()
+                state.seen.update(dict.fromkeys(p for _, p, _, _, _ in collector.tree))
+            state.running.pop()
+            self._cs_sink("call", sown)
+            for capture in captures:
+                capture._calls += 1
+            return outputs
+        finally:
+            if state.running and state.running[-1] == "__call__":
+                state.running.pop()
+            state.sinks = sinks
 
     def stateless_call(
         self, trainable_variables, non_trainable_variables, *args, return_losses=False, **kwargs
@@ -472,3 +628,19 @@ def _direct_call_parameters(model) -> set[str] | None:
         return None
     params = inspect.signature(model.call).parameters
     return {n for n, p in params.items() if p.kind is not p.VAR_KEYWORD}
+
+
+def _first_batch(args, kwargs):
+    """The first batch of array inputs (for histogram ranges), else None."""
+    x = args[0] if args else kwargs.get("x")
+    if x is None:
+        return None
+    leaves = keras.tree.flatten(x)
+    if not leaves or not all(isinstance(v, np.ndarray) or keras.ops.is_tensor(v) for v in leaves):
+        return None
+    size = kwargs.get("batch_size") or 32
+    return keras.tree.map_structure(lambda v: v[:size], x)
+
+
+def _keras_compat_to_float(x):
+    return np.asarray(keras.ops.convert_to_numpy(x)).reshape(-1)[0]
