@@ -27,6 +27,8 @@ from callscope._model import Model as Model
 from callscope._model import Sequential as Sequential
 from callscope._model import context_args as context_args
 from callscope._model import enable as enable
+from callscope._summary import points as points
+from callscope._summary import summary as summary
 
 __version__ = "0.1.0"
 
@@ -43,5 +45,7 @@ __all__ = [
     "current",
     "emit",
     "enable",
+    "points",
     "sow",
+    "summary",
 ]

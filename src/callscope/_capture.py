@@ -200,7 +200,7 @@ def sow(layer: keras.layers.Layer, name: str, value: Any) -> Any:
     array([[ 2., -2.]], dtype=float32)
     """
     collector = active_collector()
-    if collector is None:
+    if collector is None or isinstance(value, keras.KerasTensor):
         return value
     base = getattr(layer, "path", None) or getattr(layer, "name", str(layer))
     collector.record(f"{base}/{name}", layer, "output", value, sown=True)
@@ -236,7 +236,7 @@ def wrapped_layers(model, specs: tuple[Spec, ...], everything: bool = False) -> 
             ):
                 continue
             previous = layer.__dict__.get("call", None)
-            layer.__dict__["call"] = _recording_call(layer, point, layer.call)
+            layer.__dict__["call"] = _recording_call(layer, layer.call)
             installed.append((layer, previous))
         yield
     finally:
@@ -247,11 +247,12 @@ def wrapped_layers(model, specs: tuple[Spec, ...], everything: bool = False) -> 
                 layer.__dict__["call"] = previous
 
 
-def _recording_call(layer, point, original):
+def _recording_call(layer, original):
     def call(*args, **kwargs):
         collector = active_collector()
-        if collector is None:
+        if collector is None or _symbolic(args):
             return original(*args, **kwargs)
+        point = point_of(layer)  # read per call: `path` is set when the layer builds
         if args:
             _record_tree(collector, point, layer, "input", args[0])
         collector.stack.append(point)
@@ -263,6 +264,10 @@ def _recording_call(layer, point, original):
         return outputs
 
     return call
+
+
+def _symbolic(args) -> bool:
+    return any(isinstance(a, keras.KerasTensor) for a in keras.tree.flatten(args))
 
 
 def _record_tree(collector, point, layer, kind, value):

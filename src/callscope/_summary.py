@@ -1,0 +1,114 @@
+"""Discovery: every point of a model, and the call tree of a subclassed model.
+
+`plot_model` and `model.summary()` only see what Keras tracks: for a subclassed
+model that is a flat list of attributes, not the order or nesting of calls. Here
+the model runs once, eagerly, on a sample batch with every layer's `call` wrapped,
+so the tree is what actually ran: nested layers, output shapes, parameter counts,
+the context arguments each layer receives, and the values it sows.
+"""
+
+from __future__ import annotations
+
+from callscope import _capture, _keras_compat
+
+_EVERYTHING = _capture.Spec(select=lambda point, layer: True, kinds=("output",), stats=None,
+                            bins=1, hist_range=None)
+
+
+def _run(model, x):
+    if not model.built:
+        model(x, training=False)  # build first: layer paths are set on build
+    with _capture.wrapped_layers(model, (_EVERYTHING,), everything=True):
+        with _capture.collecting_for((_EVERYTHING,)) as collector:
+            model(x, training=False)
+    return collector.tree
+
+
+def _shape(value):
+    return tuple(value.shape) if hasattr(value, "shape") else None
+
+
+def points(model, x) -> dict[str, tuple]:
+    """Every point of `model` (layers and sown values) and its output shape.
+
+    Runs `model(x)` once, eagerly. A layer called several times is listed once per
+    call, as `point@i`, the way `cs.capture` keys it.
+
+    Example:
+
+    >>> import keras, numpy as np, callscope as cs
+    >>> model = cs.Sequential([keras.Input((2,)), keras.layers.Dense(3, name="hidden")])
+    >>> cs.points(model, np.ones((4, 2)))
+    {'sequential': (4, 3), 'sequential/hidden': (4, 3)}
+    """
+    calls: dict[str, list] = {}
+    for _, point, _, value, _ in _run(model, x):
+        calls.setdefault(point, []).append(_shape(value))
+    out = {}
+    for point, shapes in calls.items():
+        if len(shapes) == 1:
+            out[point] = shapes[0]
+        else:
+            out.update({f"{point}@{i}": s for i, s in enumerate(shapes)})
+    return out
+
+
+def _context_args(layer) -> str:
+    names = sorted(_keras_compat.registered_call_context_args(layer) - {"training"})
+    return ", ".join(names)
+
+
+def summary(model, x, print_fn=print) -> str:
+    """Prints the call tree of any model, subclassed ones included, and returns it.
+
+    For each call: the point, output shape, parameter count of the layer (its own
+    and its children's) and the context arguments it receives; sown values are
+    listed under the layer that sowed them.
+
+    Example:
+
+    >>> import keras, numpy as np, callscope as cs
+    >>> model = cs.Sequential([keras.Input((2,)), keras.layers.Dense(3, name="hidden")])
+    >>> _ = cs.summary(model, np.ones((4, 2)), print_fn=lambda s: None)
+    """
+    tree = _run(model, x)
+    # The collector appends a layer when its call returns: children come first.
+    # Re-order parents before their children, by depth and position.
+    ordered = _preorder(tree)
+    rows = [("call", "output shape", "params", "context args")]
+    for depth, point, layer, value, sown in ordered:
+        label = "  " * depth + (f"sow {point.rsplit('/', 1)[-1]}" if sown else
+                                f"{point} ({type(layer).__name__})")
+        params = "" if sown else f"{_count_params(layer):,}"
+        context = "" if sown else _context_args(layer)
+        rows.append((label, str(_shape(value)), params, context))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines.insert(1, "-" * len(lines[0]))
+    text = "\n".join(lines)
+    print_fn(text)
+    return text
+
+
+def _preorder(tree):
+    """Turns post-order (children first) records into pre-order for display."""
+    result = []
+    pending: list[list] = [[]]
+    for depth, point, layer, value, sown in tree:
+        while len(pending) <= depth + 1:
+            pending.append([])
+        children = pending[depth + 1]
+        pending[depth + 1] = []
+        entry = [(depth, point, layer, value, sown)] + children
+        pending[depth].extend(entry)
+    for level in pending:
+        result.extend(level)
+    return result
+
+
+def _count_params(layer) -> int:
+    try:
+        return int(layer.count_params())
+    except ValueError:
+        return 0
+
