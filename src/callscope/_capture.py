@@ -230,11 +230,10 @@ def wrapped_layers(model, specs: tuple[Spec, ...], everything: bool = False) -> 
         for layer in _keras_compat.flatten_layers(model):
             if _is_input_layer(layer):
                 continue
-            point = point_of(layer)
-            if not everything and not any(
-                spec.wants_layers() and spec.selects(point, layer, False) for spec in specs
-            ):
-                continue
+            # Every layer is wrapped: a layer's `path` is only known once it is
+            # built, so the selection is applied when the layer records.
+            if not everything and not any(spec.wants_layers() for spec in specs):
+                break
             previous = layer.__dict__.get("call", None)
             layer.__dict__["call"] = _recording_call(layer, layer.call)
             installed.append((layer, previous))

@@ -67,7 +67,9 @@ def registered_call_context_args(layer):
 
 
 def call_signature_parameters(layer):
-    return set(inspect.signature(layer.call).parameters)
+    """Parameter names of the layer's own `call` (cached by Keras at init, so an
+    instance-level wrapper installed by a capture does not hide them)."""
+    return set(layer.call_signature_parameters)
 
 
 # --------------------------------------------------------------------------

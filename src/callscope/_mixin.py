@@ -318,6 +318,8 @@ class ContextMixin:
         if not captures:
             yield ()
             return
+        if not self.built and first_batch is not None:
+            self(first_batch, training=False)  # build: layer paths are set on build
         specs = tuple(c.spec for c in captures)
         with _capture.wrapped_layers(self, specs):
             if any(s.stats and "hist" in s.stats and not s.hist_range and not s.ranges
@@ -626,8 +628,8 @@ def _direct_call_parameters(model) -> set[str] | None:
     """
     if not isinstance(model, _STRICT_KWARGS_CLASSES):
         return None
-    params = inspect.signature(model.call).parameters
-    return {n for n, p in params.items() if p.kind is not p.VAR_KEYWORD}
+    params = inspect.signature(type(model).call).parameters
+    return {n for n, p in params.items() if p.kind is not p.VAR_KEYWORD and n != "self"}
 
 
 def _first_batch(args, kwargs):

@@ -1,0 +1,348 @@
+"""Capture inside compiled fit/evaluate/predict, compared with an eager numpy reference."""
+
+import os
+
+import keras
+import numpy as np
+import pytest
+from conftest import BACKEND, numpy
+
+import callscope as cs
+
+rng = np.random.default_rng(0)
+X = rng.normal(size=(10, 4)).astype("float32")
+Y = rng.normal(size=(10, 2)).astype("float32")
+JIT = [False, "auto"]
+
+
+class Block(keras.layers.Layer):
+    def __init__(self, units, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(units, name="dense")
+
+    def call(self, x):
+        h = cs.sow(self, "pre_act", self.dense(x))
+        return keras.ops.relu(h)
+
+
+class Net(cs.Model):
+    def __init__(self):
+        super().__init__(name="net")
+        self.block_0 = Block(8, name="block_0")
+        self.block_1 = Block(2, name="block_1")
+
+    def call(self, x):
+        return self.block_1(self.block_0(x))
+
+
+def _net(jit_compile="auto", lr=0.0):
+    keras.utils.set_random_seed(0)
+    net = Net()
+    net.compile(optimizer=keras.optimizers.SGD(lr), loss="mse", jit_compile=jit_compile)
+    net(X[:1])
+    return net
+
+
+def _reference(net, x):
+    """Eager numpy forward pass: every intermediate."""
+    out = {}
+    h = x
+    for block in (net.block_0, net.block_1):
+        w, b = (numpy(v) for v in block.dense.weights)
+        pre = h @ w + b
+        out[f"net/{block.name}/pre_act:output"] = pre
+        out[f"net/{block.name}/{block.dense.name}:output"] = pre
+        out[f"net/{block.name}:input"] = h
+        out[f"net/{block.name}/{block.dense.name}:input"] = h
+        h = np.maximum(pre, 0)
+        out[f"net/{block.name}:output"] = h
+    return out
+
+
+@pytest.mark.parametrize("jit_compile", JIT)
+def test_sown_values_from_predict_match_the_eager_reference(jit_compile):
+    net = _net(jit_compile)
+    plain = net.predict(X, verbose=0)
+    with cs.capture(net) as cap:
+        out = net.predict(X, batch_size=4, verbose=0)
+    np.testing.assert_allclose(out, plain, rtol=1e-6)  # return structure unchanged
+    ref = _reference(net, X)
+    assert sorted(cap) == ["net/block_0/pre_act:output", "net/block_1/pre_act:output"]
+    for key in cap:
+        np.testing.assert_allclose(cap[key], ref[key], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("jit_compile", JIT)
+@pytest.mark.parametrize("method", ["evaluate", "predict_on_batch", "test_on_batch", "__call__"])
+def test_every_inference_entry_point_captures(method, jit_compile):
+    net = _net(jit_compile)
+    ref = _reference(net, X)
+    with cs.capture(net, "net/block_*", kinds=("input", "output")) as cap:
+        if method == "evaluate":
+            net.evaluate(X, Y, batch_size=3, verbose=0)
+        elif method == "test_on_batch":
+            net.test_on_batch(X, Y)
+        elif method == "predict_on_batch":
+            net.predict_on_batch(X)
+        else:
+            net(X)
+    assert {"net/block_0:input", "net/block_1:output", "net/block_0/dense:output"} <= set(cap)
+    for key in cap:
+        np.testing.assert_allclose(cap[key], ref[key], rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+@pytest.mark.parametrize("jit_compile", JIT)
+def test_fit_captures_every_step_in_order_and_logs_are_unchanged(jit_compile):
+    net = _net(jit_compile, lr=0.0)
+    plain = net.fit(X, Y, batch_size=4, epochs=1, verbose=0, shuffle=False).history
+    history = keras.callbacks.History()
+    with cs.capture(net, ["net/block_1"]) as cap:
+        result = net.fit(X, Y, batch_size=4, epochs=2, verbose=0, shuffle=False,
+                         validation_data=(X, Y), callbacks=[history])
+    assert set(result.history) == {"loss", "val_loss"}
+    assert result.history["loss"][0] == pytest.approx(plain["loss"][0], rel=1e-6)
+    ref = _reference(net, X)["net/block_1:output"]
+    assert list(cap) == ["net/block_1:output"]
+    # two epochs of three batches (4, 4, 2); validation is not captured in fit
+    np.testing.assert_allclose(cap["net/block_1:output"], np.concatenate([ref, ref]),
+                               rtol=1e-5, atol=1e-6)
+    with cs.capture(net, "net/block_0") as cap:
+        net.train_on_batch(X, Y)
+    np.testing.assert_allclose(cap["net/block_0:output"], _reference(net, X)["net/block_0:output"],
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_fit_capture_sees_the_training_step_values():
+    net = _net(lr=0.1)
+    before = _reference(net, X[:5])["net/block_0:output"]
+    with cs.capture(net, "net/block_0") as cap:
+        net.fit(X, Y, batch_size=5, epochs=1, verbose=0, shuffle=False)
+    np.testing.assert_allclose(cap["net/block_0:output"][:5], before, rtol=1e-5, atol=1e-6)
+    after_first = cap["net/block_0:output"][5:]
+    assert not np.allclose(after_first, _reference(_net(), X)["net/block_0:output"][5:])
+
+
+def test_capture_off_restores_the_original_compiled_function():
+    net = _net()
+    net.predict(X, verbose=0)
+    original = net.predict_function
+    with cs.capture(net) as cap:
+        net.predict(X, verbose=0)
+    assert len(cap) == 2
+    net.predict(X, verbose=0)
+    assert net.predict_function is original
+    with cs.capture(net):
+        net.predict(X, verbose=0)
+    assert net.predict_function is original
+
+
+def test_sow_outside_a_capture_is_the_identity_and_adds_nothing():
+    layer = keras.layers.Dense(2)
+    value = np.ones((1, 2))
+    assert cs.sow(layer, "x", value) is value
+    net = _net()
+    net.predict(X, verbose=0)
+    out = net.predict_function
+    assert not getattr(out, "_callscope_popper", False)
+
+
+@pytest.mark.parametrize("kind", ["sequential", "functional", "enabled", "nested"])
+def test_capture_on_every_model_kind(kind):
+    keras.utils.set_random_seed(0)
+    if kind == "sequential":
+        model = cs.Sequential([keras.Input((4,)), Block(3, name="blk")])
+    elif kind == "functional":
+        inputs = keras.Input((4,))
+        model = cs.Model(inputs, Block(3, name="blk")(inputs))
+    elif kind == "enabled":
+        model = cs.enable(keras.Sequential([keras.Input((4,)), Block(3, name="blk")]))
+    else:  # a functional sub-model inside a subclassed model
+        inputs = keras.Input((4,))
+        inner = keras.Model(inputs, Block(3, name="blk")(inputs), name="inner")
+
+        class Outer(cs.Model):
+            def __init__(self):
+                super().__init__(name="outer")
+                self.inner = inner
+
+            def call(self, x):
+                return self.inner(x) * 2.0
+
+        model = Outer()
+    with cs.capture(model, "*blk*") as cap:
+        out = model.predict(X, verbose=0)
+    blk = next(layer for layer in model._flatten_layers() if layer.name == "blk")
+    w, b = (numpy(v) for v in blk.dense.weights)
+    pre = X @ w + b
+    sown = [k for k in cap if k.endswith("pre_act:output")]
+    assert len(sown) == 1, list(cap)
+    np.testing.assert_allclose(cap[sown[0]], pre, rtol=1e-5, atol=1e-6)
+    outputs = [k for k in cap if k.endswith("blk:output")]
+    np.testing.assert_allclose(cap[outputs[0]], np.maximum(pre, 0), rtol=1e-5, atol=1e-6)
+    assert out.shape == (10, 3)
+
+
+def test_a_point_called_twice_gets_at_indices():
+    class Twice(cs.Model):
+        def __init__(self):
+            super().__init__(name="twice")
+            self.shared = keras.layers.Dense(4, name="shared")
+
+        def call(self, x):
+            return self.shared(self.shared(x))
+
+    model = Twice()
+    with cs.capture(model, "twice/shared") as cap:
+        model.predict(X, verbose=0)
+    assert sorted(cap) == ["twice/shared@0:output", "twice/shared@1:output"]
+    w, b = (numpy(v) for v in model.shared.weights)
+    np.testing.assert_allclose(cap["twice/shared@1:output"], (X @ w + b) @ w + b, rtol=1e-5)
+
+
+def test_select_callable_and_no_match_error():
+    net = _net()
+    with cs.capture(net, lambda point, layer: isinstance(layer, keras.layers.Dense)) as cap:
+        net.predict(X, verbose=0)
+    assert sorted(cap) == ["net/block_0/dense:output", "net/block_1/dense:output"]
+    with pytest.raises(ValueError, match=r"selected nothing.*Nearest points: .*net/block_0"):
+        with cs.capture(net, "net/blok_0"):
+            net.predict(X, verbose=0)
+
+
+def test_statistics_are_exact_aggregates_over_all_batches():
+    net = _net()
+    stats = ("mean", "std", "min", "max", "absmax", "rms", "frac_zero", "hist")
+    ref = _reference(net, X)["net/block_0:output"].astype(np.float64)
+    with cs.capture(net, "net/block_0", reduce=stats, hist_range=(-1.0, 3.0), bins=8) as cap:
+        net.predict(X, batch_size=3, verbose=0)  # 4 uneven batches
+    key = "net/block_0:output"
+    assert cap[f"{key}/mean"] == pytest.approx(ref.mean(), rel=1e-5)
+    assert cap[f"{key}/std"] == pytest.approx(ref.std(), rel=1e-5)
+    assert cap[f"{key}/min"] == pytest.approx(ref.min())
+    assert cap[f"{key}/max"] == pytest.approx(ref.max(), rel=1e-6)
+    assert cap[f"{key}/absmax"] == pytest.approx(np.abs(ref).max(), rel=1e-6)
+    assert cap[f"{key}/rms"] == pytest.approx(np.sqrt((ref ** 2).mean()), rel=1e-5)
+    assert cap[f"{key}/frac_zero"] == pytest.approx((ref == 0).mean())
+    counts, edges = np.histogram(np.clip(ref, -1.0, 3.0), bins=8, range=(-1.0, 3.0))
+    np.testing.assert_array_equal(cap[f"{key}/hist"], counts)
+    np.testing.assert_allclose(cap.hist_edges(f"{key}/hist"), edges)
+
+
+def test_fit_statistics_give_one_row_per_step_and_hist_range_from_first_batch():
+    net = _net()
+    with cs.capture(net, "net/block_1", reduce=("mean", "hist"), bins=4) as cap:
+        net.fit(X, Y, batch_size=4, epochs=1, verbose=0, shuffle=False)
+    ref = _reference(net, X)["net/block_1:output"]
+    means = [ref[i:i + 4].mean() for i in (0, 4, 8)]
+    np.testing.assert_allclose(cap["net/block_1:output/mean"], means, rtol=1e-5)
+    hist = cap["net/block_1:output/hist"]
+    assert hist.shape == (3, 4)
+    np.testing.assert_array_equal(hist.sum(axis=1), [8, 8, 4])
+    lo, hi = ref[:4].min(), ref[:4].max()
+    np.testing.assert_allclose(cap.hist_edges("net/block_1:output/hist")[[0, -1]], [lo, hi],
+                               rtol=1e-5)
+
+
+def test_mixed_precision_statistics_are_float32():
+    keras.utils.set_random_seed(0)
+    model = cs.Sequential([keras.Input((4,)),
+                           keras.layers.Dense(4, dtype="mixed_float16", name="big",
+                                              kernel_initializer=keras.initializers.Constant(300.0))])
+    x = np.full((8, 4), 30.0, "float32")  # outputs 36000: squares overflow float16
+    with cs.capture(model, "*/big", reduce=("mean", "std", "rms")) as cap:
+        out = model.predict(x, verbose=0)
+    assert out.dtype == np.float16
+    assert cap["sequential/big:output/rms"] == pytest.approx(36000.0, rel=1e-3)
+    assert cap["sequential/big:output/std"] == pytest.approx(0.0, abs=1e-3)
+
+
+def test_streaming_to_disk_reads_back_memory_mapped(tmp_path):
+    net = _net()
+    target = tmp_path / "caps"
+    with cs.capture(net, "net/block_*", to=target) as cap:
+        net.predict(X, batch_size=3, verbose=0)
+    value = cap["net/block_0:output"]
+    assert isinstance(value, np.memmap)
+    np.testing.assert_allclose(value, _reference(net, X)["net/block_0:output"], rtol=1e-5,
+                               atol=1e-6)
+    assert os.path.exists(target / "index.json")
+    with pytest.raises(FileExistsError, match="already holds a capture"):
+        with cs.capture(net, to=target):
+            pass
+
+
+def test_steps_per_execution_predict_works_and_fit_says_why_not():
+    if BACKEND == "torch":
+        pytest.skip("Keras's torch backend only supports steps_per_execution=1")
+    keras.utils.set_random_seed(0)
+    net = Net()
+    net.compile(optimizer="sgd", loss="mse", steps_per_execution=2)
+    with cs.capture(net) as cap:
+        net.predict(X, batch_size=2, verbose=0)
+    np.testing.assert_allclose(cap["net/block_0/pre_act:output"],
+                               _reference(net, X)["net/block_0/pre_act:output"], rtol=1e-5,
+                               atol=1e-6)
+    with pytest.raises(ValueError, match="steps_per_execution=2"):
+        with cs.capture(net):
+            net.fit(X, Y, batch_size=2, verbose=0)
+
+
+def test_an_exception_leaves_nothing_installed_and_captures_nest():
+    net = _net()
+    with pytest.raises(RuntimeError, match="boom"):
+        with cs.capture(net, "net/*"):
+            net.predict(X, verbose=0)
+            raise RuntimeError("boom")
+    assert net._cs.captures == []
+    for layer in net._flatten_layers():
+        assert "call" not in layer.__dict__
+    with cs.capture(net, "net/block_0") as outer:
+        with cs.capture(net, reduce="mean") as inner:
+            net.predict(X, verbose=0)
+        net.predict(X, verbose=0)
+    assert list(inner) == ["net/block_0/pre_act:output/mean", "net/block_1/pre_act:output/mean"]
+    assert outer["net/block_0:output"].shape == (20, 8)
+
+
+def test_points_and_summary_show_the_call_tree():
+    net = _net()
+    pts = cs.points(net, X[:2])
+    assert pts["net/block_0/pre_act"] == (2, 8)
+    assert pts["net/block_1"] == (2, 2) and pts["net"] == (2, 2)
+    text = cs.summary(net, X[:2], print_fn=lambda s: None)
+    lines = text.splitlines()
+    assert lines[2].startswith("net (Net)")
+    assert any("sow pre_act" in line for line in lines)
+    assert any(line.strip().startswith("net/block_0/dense (Dense)") and "40" in line
+               for line in lines)
+
+
+def test_user_stateless_jax_step_with_collecting_and_emit():
+    if BACKEND != "jax":
+        pytest.skip("a stateless train_step with jax.value_and_grad is the JAX style")
+    import jax
+
+    class Custom(Net):
+        def compute_loss_and_updates(self, tv, ntv, x, y):
+            with cs.collecting() as sown:
+                y_pred, ntv = self.stateless_call(tv, ntv, x, training=True)
+            return self.compute_loss(x, y, y_pred), (ntv, sown.values)
+
+        def train_step(self, state, data):
+            tv, ntv, ov, mv = state
+            x, y = data
+            grad_fn = jax.value_and_grad(self.compute_loss_and_updates, has_aux=True)
+            (loss, (ntv, sown)), grads = grad_fn(tv, ntv, x, y)
+            cs.emit(sown)
+            tv, ov = self.optimizer.stateless_apply(ov, grads, tv)
+            return {"my_loss": loss}, (tv, ntv, ov, mv)
+
+    keras.utils.set_random_seed(0)
+    net = Custom()
+    net.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+    net(X[:1])
+    with cs.capture(net) as cap:
+        net.fit(X, Y, batch_size=5, epochs=1, verbose=0, shuffle=False)
+    np.testing.assert_allclose(cap["net/block_1/pre_act:output"],
+                               _reference(net, X)["net/block_1/pre_act:output"], rtol=1e-5,
+                               atol=1e-6)
