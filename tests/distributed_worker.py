@@ -41,7 +41,8 @@ class Probe(keras.layers.Layer):
 
 def build():
     keras.utils.set_random_seed(0)
-    model = cs.Sequential([keras.Input((2,)), keras.layers.Dense(1), Probe()])
+    model = cs.Sequential([keras.Input((2,)), keras.layers.Dense(1, name="dense"), Probe()],
+                          name="seq")
     model.register_context_args("debugging")
     model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
     return model
@@ -57,6 +58,18 @@ def run(model):
     hist = model.fit(X, Y, epochs=2, batch_size=8, verbose=0)
     out["fit_off"] = hist.history["loss"]
     out["weights"] = [np.asarray(keras.ops.convert_to_numpy(w)).tolist() for w in model.weights]
+    with cs.capture(model, "*/dense*", reduce=("mean", "std")) as stats:
+        model.predict(X, batch_size=8, verbose=0)
+    with cs.capture(model, "*/dense*") as cap:
+        model.predict(X, batch_size=8, verbose=0)
+    out["capture_predict"] = {k: v.tolist() for k, v in cap.items()}
+    out["capture_stats"] = {k: float(v) for k, v in stats.items()}
+    try:
+        with cs.capture(model, "*/dense*") as cap:
+            model.fit(X, Y, epochs=1, batch_size=8, verbose=0, shuffle=False)
+        out["capture_fit"] = {k: v.tolist() for k, v in cap.items()}
+    except ValueError as e:
+        out["capture_fit_error"] = str(e)
     return out
 
 

@@ -33,6 +33,13 @@ def _assert_same_as_single_device(results):
     assert dist["fit_on"][0] > 1000  # the flag reached the loss
     for a, b in zip(dist["weights"], single["weights"]):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    # Captures: same values, in global batch order, as on one device.
+    assert dist["capture_predict"].keys() == single["capture_predict"].keys()
+    for key, value in single["capture_predict"].items():
+        assert np.shape(value) == (16, 1)
+        np.testing.assert_allclose(dist["capture_predict"][key], value, rtol=1e-5, atol=1e-6)
+    for key, value in single["capture_stats"].items():
+        assert dist["capture_stats"][key] == pytest.approx(value, rel=1e-5)
 
 
 @pytest.mark.skipif(BACKEND != "jax", reason="keras.distribution is JAX's engine")
@@ -40,6 +47,9 @@ def test_jax_data_parallel_on_four_cpu_devices_matches_one_device():
     results = _run_worker("jax")
     assert results["devices"] == 4
     _assert_same_as_single_device(results)
+    for key, value in results["single"]["capture_fit"].items():
+        np.testing.assert_allclose(results["distributed"]["capture_fit"][key], value,
+                                   rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="tf.distribute is TensorFlow's engine")
@@ -47,5 +57,8 @@ def test_tf_mirrored_strategy_value_reaches_every_replica():
     results = _run_worker("tensorflow")
     assert results["devices"] == 2
     _assert_same_as_single_device(results)
+    # Train/test capture would be averaged across replicas by Keras: refused.
+    assert "num_replicas_in_sync=2" in results["distributed"]["capture_fit_error"]
+    assert "capture_fit" in results["single"]
     # Each replica function is traced in its own thread; each saw the value.
     assert len(results["threads_with_value"]) >= 2, results["threads_with_value"]

@@ -34,6 +34,7 @@ SOWN = "__callscope_sown__"
 OUTPUTS = "__callscope_outputs__"
 KINDS = ("output", "input")
 _local = threading.local()
+_TORCH = keras.backend.backend() == "torch"
 
 
 # --------------------------------------------------------------------------
@@ -301,18 +302,19 @@ class Capture(Mapping):
 
     # -- filling (called by the model, on the host) --------------------------
     def _add(self, kind: str, key: str, value: Any) -> None:
-        self._cache.pop(key, None)
+        # Kept as device arrays until read: converting each batch on arrival would
+        # synchronise every step and stall JAX's asynchronous dispatch. Only
+        # streaming converts at once, to keep host memory bounded.
+        self._cache.clear()
+        if kind == "train" and _TORCH:  # torch keeps the autograd graph alive
+            value = keras.tree.map_structure(ops.stop_gradient, value)
         if self.spec.stats:
             self._per_step |= kind == "train"
-            self._rows.setdefault(key, []).append(
-                {k: _reduce.to_numpy(v) for k, v in value.items()}
-            )
-            return
-        array = _reduce.to_numpy(value)
-        if self._dir is None:
-            self._full.setdefault(key, []).append(array)
+            self._rows.setdefault(key, []).append(value)
+        elif self._dir is None:
+            self._full.setdefault(key, []).append(value)
         else:
-            self._stream(key, array)
+            self._stream(key, _reduce.to_numpy(value))
 
     def _stream(self, key: str, array: np.ndarray) -> None:
         entry = self._files.get(key)
@@ -355,7 +357,9 @@ class Capture(Mapping):
             base, _, stat = key.rpartition("/")
             if base not in self._rows or stat not in self.spec.stats:
                 raise KeyError(self._missing(key))
-            rows = self._rows[base]
+            rows = self._rows[base] = [
+                {k: _reduce.to_numpy(v) for k, v in r.items()} for r in self._rows[base]
+            ]
             stacked = {k: np.concatenate([r[k] for r in rows]) for k in rows[0]}
             value = (_reduce.per_step(stacked, stat) if self._per_step
                      else _reduce.finalize(_reduce.merge(stacked), stat))
@@ -369,7 +373,7 @@ class Capture(Mapping):
         else:
             if key not in self._full:
                 raise KeyError(self._missing(key))
-            parts = self._full[key]
+            parts = [_reduce.to_numpy(p) for p in self._full[key]]
             value = parts[0] if len(parts) == 1 else np.concatenate(parts)
             self._full[key] = [value]
         self._cache[key] = value

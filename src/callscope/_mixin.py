@@ -375,7 +375,7 @@ class ContextMixin:
         entry = self._cs_entry_for(key, values)
         saved_steps = {}
         for kind in _KINDS:
-            setattr(self, f"{kind}_function", entry.functions[kind])
+            self.__dict__[f"{kind}_function"] = entry.functions[kind]  # skips Keras attribute tracking
             name = f"{kind}_step"
             saved_steps[name] = self.__dict__.pop(name, _MISSING)
             if entry.steps:
@@ -388,7 +388,7 @@ class ContextMixin:
         self._cs_store(key)
         entry = state.table.get(previous) or self._cs_entry_for(previous, {})
         for kind in _KINDS:
-            setattr(self, f"{kind}_function", entry.functions[kind])
+            self.__dict__[f"{kind}_function"] = entry.functions[kind]  # skips Keras attribute tracking
         for name, step in saved_steps.items():
             self.__dict__.pop(name, None)
             if step is not _MISSING:
@@ -442,7 +442,7 @@ class ContextMixin:
         if not _specs_of(self._cs.installed):
             return function
         wrapped = _steps.popper(self, kind, function)
-        setattr(self, f"{kind}_function", wrapped)
+        self.__dict__[f"{kind}_function"] = wrapped  # skips Keras attribute tracking
         return wrapped
 
     def make_train_function(self, force=False):

@@ -123,4 +123,10 @@ def hist_edges(bins: int, hist_range) -> np.ndarray:
 
 
 def to_numpy(x):
-    return np.asarray(keras.ops.convert_to_numpy(x))
+    """A host array of `x`, without a copy where the backend allows (JAX on CPU)."""
+    if isinstance(x, np.ndarray):
+        return x
+    try:
+        return np.asarray(x)
+    except (TypeError, RuntimeError, ValueError):  # e.g. a torch tensor that needs grad
+        return np.asarray(keras.ops.convert_to_numpy(x))

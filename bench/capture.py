@@ -1,0 +1,188 @@
+"""What capture costs: callscope against stock Keras doing the same work, side by side.
+
+Per backend, on an 8-block MLP (256 units), prints ratios measured in one run
+(callscope time / reference time; median of interleaved repeats after a warm-up):
+
+1. `sow` in every block, capture off, vs the same model without `sow` (predict, fit);
+2. full capture of every block in predict vs the stock functional multi-output model
+   returning the same tensors;
+3. the same capture vs an eager per-batch loop over that multi-output model (a
+   speed-up: higher is better);
+4. statistics-only capture of the 8 blocks during fit vs plain fit;
+5. streaming capture (`to=`) peak RSS growth when the data grows 4x.
+
+Usage:
+    python bench/capture.py                  # jax, tensorflow, torch
+    python bench/capture.py --backend jax --repeats 9
+"""
+
+import argparse
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+BACKENDS = ("jax", "tensorflow", "torch")
+UNITS, BLOCKS, ROWS, BATCH = 256, 8, 8192, 256
+
+
+def _build(keras, cs, with_sow):
+    class Block(keras.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.dense = keras.layers.Dense(UNITS, activation="relu")
+
+        def call(self, x):
+            h = self.dense(x)
+            return cs.sow(self, "h", h) if with_sow else h
+
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((UNITS,))
+    hidden, x = [], inputs
+    for i in range(BLOCKS):
+        x = Block(name=f"block_{i}")(x)
+        hidden.append(x)
+    outputs = keras.layers.Dense(10, name="head")(x)
+    return inputs, hidden, outputs
+
+
+def _ratio(ours, reference, repeats):
+    ours(), reference()  # warm-up: compile both
+    pairs = []
+    for i in range(repeats):
+        order = (ours, reference) if i % 2 == 0 else (reference, ours)
+        times = {}
+        for fn in order:
+            start = time.perf_counter()
+            fn()
+            times[fn] = time.perf_counter() - start
+        pairs.append((times[ours], times[reference]))
+    return statistics.median(a / b for a, b in pairs), statistics.median(b for _, b in pairs)
+
+
+def run_backend(repeats):
+    import keras
+    import numpy as np
+
+    import callscope as cs
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(ROWS, UNITS)).astype("float32")
+    y = rng.normal(size=(ROWS, 10)).astype("float32")
+    rows = []
+
+    def compiled(model):
+        model.compile(optimizer="sgd", loss="mse")
+        return model
+
+    # 1. sow present, capture off, vs no sow.
+    inputs, _, outputs = _build(keras, cs, with_sow=True)
+    with_sow = compiled(cs.Model(inputs, outputs))
+    inputs, _, outputs = _build(keras, cs, with_sow=False)
+    without = compiled(keras.Model(inputs, outputs))
+    r, t = _ratio(lambda: with_sow.predict(x, batch_size=BATCH, verbose=0),
+                  lambda: without.predict(x, batch_size=BATCH, verbose=0), repeats)
+    rows.append(("sow, capture off vs no sow: predict", r, t, "target <= 1.01"))
+    r, t = _ratio(lambda: with_sow.fit(x, y, batch_size=BATCH, verbose=0),
+                  lambda: without.fit(x, y, batch_size=BATCH, verbose=0), repeats)
+    rows.append(("sow, capture off vs no sow: fit epoch", r, t, "target <= 1.01"))
+
+    # 2-3. full capture of every block vs the functional multi-output model.
+    inputs, hidden, outputs = _build(keras, cs, with_sow=False)
+    multi = compiled(keras.Model(inputs, [outputs, *hidden]))
+    ours = compiled(cs.Model(inputs, outputs))
+
+    def capture_all():
+        with cs.capture(ours, "block_?") as cap:
+            ours.predict(x, batch_size=BATCH, verbose=0)
+        assert sum(v.shape[0] for v in cap.values()) == BLOCKS * ROWS  # to numpy, as Keras
+
+    r, t = _ratio(capture_all, lambda: multi.predict(x, batch_size=BATCH, verbose=0), repeats)
+    rows.append(("capture 8 blocks vs functional multi-output", r, t, "target <= 1.05"))
+
+    def eager_loop():
+        outs = [multi(x[i:i + BATCH]) for i in range(0, ROWS, BATCH)]
+        return [keras.ops.convert_to_numpy(o[1]) for o in outs]
+
+    r, t = _ratio(eager_loop, capture_all, max(3, repeats // 2))
+    rows.append(("speed-up of capture over an eager batch loop", r, t, "target >= 1.5"))
+
+    # 4. statistics-only capture during fit vs plain fit.
+    plain = compiled(cs.Model(inputs, outputs))
+
+    def stats_fit():
+        with cs.capture(plain, "block_?", reduce=("mean", "std", "frac_zero")):
+            plain.fit(x, y, batch_size=BATCH, verbose=0)
+
+    r, t = _ratio(stats_fit, lambda: plain.fit(x, y, batch_size=BATCH, verbose=0), repeats)
+    rows.append(("stats capture of 8 blocks in fit vs plain fit", r, t, "target <= 1.10"))
+
+    print(f"\n{keras.backend.backend()} (keras {keras.__version__}, {repeats} repeats)")
+    for name, r, t, note in rows:
+        print(f"  {name:<46} {r:6.3f}x   (reference {t * 1000:7.1f} ms)  {note}")
+
+
+def run_rss(scale):
+    """Streams a capture of `scale` x ROWS rows to disk; prints peak RSS growth (MiB)."""
+    import keras
+    import numpy as np
+
+    import callscope as cs
+
+    inputs, _, outputs = _build(keras, cs, with_sow=False)
+    model = cs.Model(inputs, outputs)
+    x = np.random.default_rng(0).normal(size=(BATCH, UNITS)).astype("float32")
+    model.predict(x, verbose=0)
+
+    class Batches(keras.utils.PyDataset):
+        def __len__(self):
+            return scale * ROWS // BATCH
+
+        def __getitem__(self, index):
+            return (x + index,)
+
+    with tempfile.TemporaryDirectory() as directory:
+        with cs.capture(model, "block_?", to=os.path.join(directory, "cap")):
+            model.predict(Batches(), verbose=0)  # warm-up pass
+        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        with cs.capture(model, "block_?", to=os.path.join(directory, "cap2")) as cap:
+            model.predict(Batches(), verbose=0)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        written = sum(v.nbytes for v in cap.values()) / 2**20
+    print(f"RSS {peak / 1024:.1f} {(peak - base) / 1024:.1f} {written:.0f}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", choices=BACKENDS)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--rss", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.rss:
+        run_rss(args.rss)
+        return
+    if args.backend:
+        run_backend(args.repeats)
+        peaks = {}
+        for scale in (1, 4):
+            out = subprocess.run([sys.executable, __file__, "--rss", str(scale)],
+                                 capture_output=True, text=True, check=True,
+                                 env={**os.environ, "KERAS_BACKEND": args.backend})
+            line = next(s for s in out.stdout.splitlines() if s.startswith("RSS "))
+            peaks[scale] = [float(v) for v in line.split()[1:]]
+        growth = peaks[4][0] / peaks[1][0]
+        print(f"  {'streaming capture peak RSS, 4x the data':<46} {growth:6.3f}x   "
+              f"(peak {peaks[1][0]:.0f} MiB -> {peaks[4][0]:.0f} MiB; "
+              f"{peaks[1][2]:.0f} -> {peaks[4][2]:.0f} MiB streamed)  target <= 1.10")
+        return
+    for backend in BACKENDS:
+        subprocess.run([sys.executable, __file__, "--backend", backend,
+                        "--repeats", str(args.repeats)],
+                       env={**os.environ, "KERAS_BACKEND": backend}, check=True)
+
+
+if __name__ == "__main__":
+    main()
