@@ -5,8 +5,8 @@ import inspect
 import callscope as cs
 
 PUBLIC = {
-    "ContextMixin", "Functional", "Model", "Sequential", "context", "context_args",
-    "current", "enable",
+    "Capture", "ContextMixin", "Functional", "Model", "Sequential", "capture", "collecting",
+    "context", "context_args", "current", "emit", "enable", "points", "sow", "summary",
 }
 
 
@@ -20,6 +20,8 @@ def test_every_public_name_has_a_docstring_with_an_example():
         doc = inspect.getdoc(getattr(cs, name)) or ""
         if name == "ContextMixin":
             doc = inspect.getdoc(cs.ContextMixin.register_context_args)
+        if name == "Capture":
+            doc = inspect.getdoc(cs.capture)
         assert ">>>" in doc, name
 
 

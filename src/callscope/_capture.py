@@ -194,10 +194,10 @@ def sow(layer: keras.layers.Layer, name: str, value: Any) -> Any:
     ...     def call(self, x):
     ...         h = cs.sow(self, "pre_act", x * 2.0)
     ...         return keras.ops.relu(h)
-    >>> model = cs.Sequential([keras.Input((2,)), Block(name="block")])
+    >>> model = cs.Sequential([keras.Input((2,)), Block(name="block")], name="mlp")
     >>> with cs.capture(model) as cap:
     ...     _ = model.predict(np.array([[1.0, -1.0]]), verbose=0)
-    >>> cap["sequential/block/pre_act:output"]
+    >>> cap["mlp/block/pre_act:output"]
     array([[ 2., -2.]], dtype=float32)
     """
     collector = active_collector()
@@ -459,11 +459,12 @@ def capture(
     Example:
 
     >>> import keras, numpy as np, callscope as cs
-    >>> model = cs.Sequential([keras.Input((2,)), keras.layers.Dense(3, name="hidden")])
+    >>> model = cs.Sequential([keras.Input((2,)), keras.layers.Dense(3, name="hidden")],
+    ...                       name="mlp")
     >>> with cs.capture(model, "*/hidden", reduce=("mean", "max")) as cap:
     ...     _ = model.predict(np.ones((4, 2)), verbose=0)
     >>> sorted(cap)
-    ['sequential/hidden:output/max', 'sequential/hidden:output/mean']
+    ['mlp/hidden:output/max', 'mlp/hidden:output/mean']
     """
     from callscope._mixin import ContextMixin
 

@@ -37,12 +37,13 @@ def points(model, x) -> dict[str, tuple]:
     Example:
 
     >>> import keras, numpy as np, callscope as cs
-    >>> model = cs.Sequential([keras.Input((2,)), keras.layers.Dense(3, name="hidden")])
+    >>> model = cs.Sequential([keras.Input((2,)), keras.layers.Dense(3, name="hidden")],
+    ...                       name="mlp")
     >>> cs.points(model, np.ones((4, 2)))
-    {'sequential': (4, 3), 'sequential/hidden': (4, 3)}
+    {'mlp': (4, 3), 'mlp/hidden': (4, 3)}
     """
     calls: dict[str, list] = {}
-    for _, point, _, value, _ in _run(model, x):
+    for _, point, _, value, _ in _preorder(_run(model, x)):
         calls.setdefault(point, []).append(_shape(value))
     out = {}
     for point, shapes in calls.items():
@@ -68,7 +69,8 @@ def summary(model, x, print_fn=print) -> str:
     Example:
 
     >>> import keras, numpy as np, callscope as cs
-    >>> model = cs.Sequential([keras.Input((2,)), keras.layers.Dense(3, name="hidden")])
+    >>> model = cs.Sequential([keras.Input((2,)), keras.layers.Dense(3, name="hidden")],
+    ...                       name="mlp")
     >>> _ = cs.summary(model, np.ones((4, 2)), print_fn=lambda s: None)
     """
     tree = _run(model, x)
