@@ -209,8 +209,9 @@ def test_select_callable_and_no_match_error():
             net.predict(X, verbose=0)
 
 
-def test_statistics_are_exact_aggregates_over_all_batches():
-    net = _net()
+@pytest.mark.parametrize("jit_compile", JIT)
+def test_statistics_are_exact_aggregates_over_all_batches(jit_compile):
+    net = _net(jit_compile)
     stats = ("mean", "std", "min", "max", "absmax", "rms", "frac_zero", "hist")
     ref = _reference(net, X)["net/block_0:output"].astype(np.float64)
     with cs.capture(net, "net/block_0", reduce=stats, hist_range=(-1.0, 3.0), bins=8) as cap:
@@ -228,8 +229,9 @@ def test_statistics_are_exact_aggregates_over_all_batches():
     np.testing.assert_allclose(cap.hist_edges(f"{key}/hist"), edges)
 
 
-def test_fit_statistics_give_one_row_per_step_and_hist_range_from_first_batch():
-    net = _net()
+@pytest.mark.parametrize("jit_compile", JIT)
+def test_fit_statistics_give_one_row_per_step_and_hist_range_from_first_batch(jit_compile):
+    net = _net(jit_compile)
     with cs.capture(net, "net/block_1", reduce=("mean", "hist"), bins=4) as cap:
         net.fit(X, Y, batch_size=4, epochs=1, verbose=0, shuffle=False)
     ref = _reference(net, X)["net/block_1:output"]
@@ -256,8 +258,9 @@ def test_mixed_precision_statistics_are_float32():
     assert cap["sequential/big:output/std"] == pytest.approx(0.0, abs=1e-3)
 
 
-def test_streaming_to_disk_reads_back_memory_mapped(tmp_path):
-    net = _net()
+@pytest.mark.parametrize("jit_compile", JIT)
+def test_streaming_to_disk_reads_back_memory_mapped(tmp_path, jit_compile):
+    net = _net(jit_compile)
     target = tmp_path / "caps"
     with cs.capture(net, "net/block_*", to=target) as cap:
         net.predict(X, batch_size=3, verbose=0)
@@ -287,8 +290,9 @@ def test_steps_per_execution_predict_works_and_fit_says_why_not():
             net.fit(X, Y, batch_size=2, verbose=0)
 
 
-def test_an_exception_leaves_nothing_installed_and_captures_nest():
-    net = _net()
+@pytest.mark.parametrize("jit_compile", JIT)
+def test_an_exception_leaves_nothing_installed_and_captures_nest(jit_compile):
+    net = _net(jit_compile)
     with pytest.raises(RuntimeError, match="boom"):
         with cs.capture(net, "net/*"):
             net.predict(X, verbose=0)

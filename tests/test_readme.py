@@ -9,5 +9,6 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 def test_readme_python_blocks_run():
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
     assert blocks
+    namespace = {"__name__": "readme"}  # later blocks build on earlier ones
     for block in blocks:
-        exec(compile(block, str(README), "exec"), {"__name__": "readme"})
+        exec(compile(block, str(README), "exec"), namespace)

@@ -80,6 +80,7 @@ class Collector:
         self.records: dict[str, list] = {}
         self.stack: list[str] = []
         self.tree: list[tuple] = []  # (depth, point, layer, value, sown) for summary
+        self.wants_inputs = any("input" in spec.kinds for spec in specs)
 
     def record(self, point: str, layer: Any, kind: str, value: Any, sown: bool) -> None:
         if kind == "output":
@@ -253,7 +254,7 @@ def _recording_call(layer, original):
         if collector is None or _symbolic(args):
             return original(*args, **kwargs)
         point = point_of(layer)  # read per call: `path` is set when the layer builds
-        if args:
+        if args and collector.wants_inputs:
             _record_tree(collector, point, layer, "input", args[0])
         collector.stack.append(point)
         try:
@@ -271,6 +272,9 @@ def _symbolic(args) -> bool:
 
 
 def _record_tree(collector, point, layer, kind, value):
+    if hasattr(value, "shape"):  # the common case: one tensor
+        collector.record(point, layer, kind, value, sown=False)
+        return
     leaves = [v for v in keras.tree.flatten(value) if v is not None]
     if len(leaves) == 1:
         collector.record(point, layer, kind, leaves[0], sown=False)

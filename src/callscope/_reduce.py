@@ -17,6 +17,7 @@ import keras
 import numpy as np
 from keras import ops
 
+_TORCH = keras.backend.backend() == "torch"
 STATS = ("mean", "std", "min", "max", "absmax", "rms", "frac_zero", "hist")
 _NEEDS = {
     "mean": ("n", "mean"),
@@ -46,7 +47,10 @@ def check_stats(reduce) -> tuple[str, ...] | None:
 
 def partials(value, stats, bins=32, hist_range=None):
     """Device-side partial statistics of `value` (a tensor), each of shape [1, ...]."""
-    x = ops.reshape(ops.cast(value, "float32"), (-1,))
+    if _TORCH:
+        return _torch_partials(value, stats, bins, hist_range)
+    # Statistics never need gradients: on torch this also keeps them off the tape.
+    x = ops.reshape(ops.cast(ops.stop_gradient(value), "float32"), (-1,))
     needed = {p for s in stats for p in _NEEDS[s]}
     n = ops.cast(ops.size(x), "float32")
     out = {}
@@ -130,3 +134,36 @@ def to_numpy(x):
         return np.asarray(x)
     except (TypeError, RuntimeError, ValueError):  # e.g. a torch tensor that needs grad
         return np.asarray(keras.ops.convert_to_numpy(x))
+
+
+def _torch_partials(value, stats, bins, hist_range):
+    """The same partials in plain torch: torch runs eagerly, where each `keras.ops`
+    call costs tens of microseconds of dispatch; this is the one hot path where that
+    shows (statistics of every selected layer, every step)."""
+    import torch
+
+    needed = {p for s in stats for p in _NEEDS[s]}
+    with torch.no_grad():
+        x = value.detach().reshape(-1).float()
+        n = torch.tensor(float(x.numel()), device=x.device)
+        out = {}
+        if "n" in needed:
+            out["n"] = n
+        if "mean" in needed or "m2" in needed:
+            mean = x.mean()
+            out["mean"] = mean
+            if "m2" in needed:
+                out["m2"] = ((x - mean) ** 2).sum()
+        if "min" in needed:
+            out["min"] = x.min()
+        if "max" in needed:
+            out["max"] = x.max()
+        if "absmax" in needed:
+            out["absmax"] = x.abs().max()
+        if "nzero" in needed:
+            out["nzero"] = (x == 0).sum().float()
+        if "hist" in needed:
+            lo, hi = hist_range
+            index = ((x - lo) / ((hi - lo) / bins)).floor().clamp(0, bins - 1).long()
+            out["hist"] = torch.bincount(index, minlength=bins).float()
+        return {k: v.unsqueeze(0) for k, v in out.items()}
