@@ -6,7 +6,7 @@ import callscope as cs
 
 PUBLIC = {
     "Capture", "ContextMixin", "Functional", "Model", "Sequential", "capture", "collecting",
-    "context", "context_args", "current", "emit", "enable", "points", "sow", "summary",
+    "context", "context_args", "current", "emit", "enable", "patch", "points", "sow", "summary",
 }
 
 

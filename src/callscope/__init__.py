@@ -27,6 +27,7 @@ from callscope._model import Model as Model
 from callscope._model import Sequential as Sequential
 from callscope._model import context_args as context_args
 from callscope._model import enable as enable
+from callscope._patch import patch as patch
 from callscope._summary import points as points
 from callscope._summary import summary as summary
 
@@ -45,6 +46,7 @@ __all__ = [
     "current",
     "emit",
     "enable",
+    "patch",
     "points",
     "sow",
     "summary",

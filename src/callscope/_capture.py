@@ -32,7 +32,7 @@ from callscope import _keras_compat, _reduce
 
 SOWN = "__callscope_sown__"
 OUTPUTS = "__callscope_outputs__"
-KINDS = ("output", "input")
+KINDS = ("output", "input", "grad")
 _local = threading.local()
 _TORCH = keras.backend.backend() == "torch"
 
@@ -81,13 +81,43 @@ class Collector:
         self.stack: list[str] = []
         self.tree: list[tuple] = []  # (depth, point, layer, value, sown) for summary
         self.wants_inputs = any("input" in spec.kinds for spec in specs)
+        self.wants_grads = any("grad" in spec.kinds for spec in specs)
+        self.grad_sources: dict[str, list] = {}
+        self.perturbations: dict | None = None
+        self.loss = None  # set by the loss hook, for TensorFlow's outer tape
 
-    def record(self, point: str, layer: Any, kind: str, value: Any, sown: bool) -> None:
+    def record(self, point: str, layer: Any, kind: str, value: Any, sown: bool) -> Any:
+        """Records `value` for every spec that selects it; returns the value to use.
+
+        For a `grad` spec the value is also a gradient source: with a perturbation
+        active (JAX), the returned value is `value + perturbation`, so that the
+        gradient with respect to the perturbation is d loss / d value.
+        """
         if kind == "output":
             self.tree.append((len(self.stack), point, layer, value, sown))
         for index, spec in enumerate(self.specs):
-            if kind in spec.kinds and spec.selects(point, layer, sown):
+            if not spec.selects(point, layer, sown):
+                continue
+            if kind in spec.kinds:
                 self.records.setdefault(f"{index}|{point}|{kind}", []).append(value)
+            if kind == "output" and "grad" in spec.kinds:
+                sources = self.grad_sources.setdefault(f"{index}|{point}|grad", [])
+                name = f"{index}|{point}|{len(sources)}"
+                if self.perturbations is not None and name in self.perturbations:
+                    value = value + self.perturbations[name]
+                sources.append(value)
+        return value
+
+    def grad_source_list(self) -> list[tuple[str, Any]]:
+        """(`index|point|n`, tensor) for every gradient source, in call order."""
+        return [(f"{name.rsplit('|', 1)[0]}|{n}", v)
+                for name, values in self.grad_sources.items() for n, v in enumerate(values)]
+
+    def add_grads(self, grads: Mapping[str, Any]) -> None:
+        """Files gradients (keyed `index|point|n`) as `grad` records."""
+        for name, grad in grads.items():
+            index, point, _ = name.split("|")
+            self.records.setdefault(f"{index}|{point}|grad", []).append(grad)
 
     def merge(self, records: Mapping[str, list]) -> None:
         for name, values in records.items():
@@ -164,8 +194,11 @@ def collecting() -> Iterator[Collected]:
         return
     with collecting_for(outer.specs) as inner:
         inner.stack = list(outer.stack)
+        inner.perturbations = outer.perturbations
         yield result
     result.values = inner.records
+    for name, sources in inner.grad_sources.items():  # shapes for JAX's eval_shape probe
+        outer.grad_sources.setdefault(name, []).extend(sources)
 
 
 def emit(values: Mapping[str, list]) -> None:
@@ -202,10 +235,15 @@ def sow(layer: keras.layers.Layer, name: str, value: Any) -> Any:
     array([[ 2., -2.]], dtype=float32)
     """
     collector = active_collector()
-    if collector is None or isinstance(value, keras.KerasTensor):
+    patches = active_patches()
+    if (collector is None and patches is None) or isinstance(value, keras.KerasTensor):
         return value
     base = getattr(layer, "path", None) or getattr(layer, "name", str(layer))
-    collector.record(f"{base}/{name}", layer, "output", value, sown=True)
+    point = f"{base}/{name}"
+    if patches is not None:
+        value = patches.apply(point, value)
+    if collector is not None:
+        value = collector.record(point, layer, "output", value, sown=True)
     return value
 
 
@@ -251,9 +289,12 @@ def wrapped_layers(model, specs: tuple[Spec, ...], everything: bool = False) -> 
 def _recording_call(layer, original):
     def call(*args, **kwargs):
         collector = active_collector()
-        if collector is None or _symbolic(args):
+        patches = active_patches()
+        if (collector is None and patches is None) or _symbolic(args):
             return original(*args, **kwargs)
         point = point_of(layer)  # read per call: `path` is set when the layer builds
+        if collector is None:
+            return patches.apply(point, original(*args, **kwargs))
         if args and collector.wants_inputs:
             _record_tree(collector, point, layer, "input", args[0])
         collector.stack.append(point)
@@ -261,8 +302,9 @@ def _recording_call(layer, original):
             outputs = original(*args, **kwargs)
         finally:
             collector.stack.pop()
-        _record_tree(collector, point, layer, "output", outputs)
-        return outputs
+        if patches is not None:
+            outputs = patches.apply(point, outputs)
+        return _record_tree(collector, point, layer, "output", outputs)
 
     return call
 
@@ -272,15 +314,48 @@ def _symbolic(args) -> bool:
 
 
 def _record_tree(collector, point, layer, kind, value):
+    """Records a layer's input or output; returns the (possibly perturbed) value."""
     if hasattr(value, "shape"):  # the common case: one tensor
-        collector.record(point, layer, kind, value, sown=False)
-        return
+        return collector.record(point, layer, kind, value, sown=False)
     leaves = [v for v in keras.tree.flatten(value) if v is not None]
     if len(leaves) == 1:
         collector.record(point, layer, kind, leaves[0], sown=False)
     else:
         for j, leaf in enumerate(leaves):
             collector.record(f"{point}/{j}", layer, kind, leaf, sown=False)
+    return value
+
+
+# --------------------------------------------------------------------------
+# Patches (interventions): replace a point's output inside every call
+# --------------------------------------------------------------------------
+class Patches:
+    """The active `{point: fn}` of a run; counts which points were hit."""
+
+    def __init__(self, functions: tuple):
+        self.functions = dict(functions)
+        self.hits: set[str] = set()
+
+    def apply(self, point: str, value: Any) -> Any:
+        fn = self.functions.get(point)
+        if fn is None:
+            return value
+        self.hits.add(point)
+        return fn(value)
+
+
+def active_patches() -> Patches | None:
+    return getattr(_local, "patches", None)
+
+
+@contextlib.contextmanager
+def patching(functions: tuple) -> Iterator[Patches | None]:
+    previous = active_patches()
+    _local.patches = Patches(functions) if functions else None
+    try:
+        yield _local.patches
+    finally:
+        _local.patches = previous
 
 
 # --------------------------------------------------------------------------
@@ -482,8 +557,7 @@ def capture(
     bad = [k for k in kinds if k not in KINDS]
     if bad or not kinds:
         raise ValueError(
-            f"`kinds` takes {', '.join(KINDS)} (gradients come with `grad`, not yet "
-            f"supported). Received: kinds={kinds!r}"
+            f"`kinds` takes one or more of {', '.join(KINDS)}. Received: kinds={kinds!r}"
         )
     if isinstance(select, str):
         select = (select,)

@@ -300,3 +300,22 @@ def copy_registered_name(source_cls, target_cls):
 def flatten_layers(model):
     """`model` and every layer under it (keras 3.15.1: layers/layer.py:1708)."""
     return model._flatten_layers(include_self=True, recursive=True)
+
+
+# --------------------------------------------------------------------------
+# JAX: callscope's copy of the stock train/test step, for intermediate grads
+# (keras 3.15.1: backend/jax/trainer.py:98-196)
+# --------------------------------------------------------------------------
+def is_stock_jax_step(model, kind):
+    """True when `model` uses the JAX trainer's own `<kind>_step`."""
+    from keras.src.backend.jax.trainer import JAXTrainer
+
+    return getattr(type(model), f"{kind}_step") is getattr(JAXTrainer, f"{kind}_step")
+
+
+def update_jax_metrics(model, metrics_vars, unscaled_loss, x, y, y_pred, sample_weight):
+    """The JAX trainer's metric update (`_update_metrics_variables`, 3.15.1:
+    backend/jax/trainer.py:98-120): loss tracker and compiled metrics, statelessly."""
+    return model._update_metrics_variables(
+        metrics_vars, unscaled_loss, x, y, y_pred, sample_weight
+    )

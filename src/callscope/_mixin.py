@@ -42,6 +42,7 @@ _ENTRY_KINDS = {
 }
 _DYNAMIC = "<dynamic>"  # stands for a dynamic value in a key
 _CAPTURE = "<capture>"  # key entry holding the specs of the active captures
+_PATCH = "<patch>"  # key entry holding the active patches, (point, fn) pairs
 _MISSING = object()
 
 
@@ -49,18 +50,27 @@ class _KeyEntry:
     """The compiled functions and step closures of one key."""
 
     def __init__(self, model: Any, key: tuple, values: Mapping[str, Any]):
-        specs = _specs_of(key)
+        specs, patches = _specs_of(key), _patches_of(key)
         self.functions: dict[str, Any] = dict.fromkeys(_KINDS)
         self.steps = (
-            {kind: _step_closure(model, kind, values, specs) for kind in _KINDS} if key else {}
+            {kind: _step_closure(model, kind, values, specs, patches) for kind in _KINDS}
+            if key else {}
         )
 
 
+def _marked(key: tuple, mark: str) -> tuple:
+    return next((item[1] for item in key if item[0] == mark), ())
+
+
 def _specs_of(key: tuple) -> tuple:
-    return key[-1][1] if key and key[-1][0] == _CAPTURE else ()
+    return _marked(key, _CAPTURE)
 
 
-def _step_closure(model, kind, values, specs):
+def _patches_of(key: tuple) -> tuple:
+    return _marked(key, _PATCH)
+
+
+def _step_closure(model, kind, values, specs, patches=()):
     """A fresh callable over `type(model).<kind>_step` that enters `values`.
 
     It is new per key on purpose: JAX keys its trace cache on the callable, and a
@@ -71,12 +81,18 @@ def _step_closure(model, kind, values, specs):
     step = getattr(type(model), f"{kind}_step")
 
     def scoped_step(*args, **kwargs):
-        with _context.pushed(values):
+        with _context.pushed(values), _capture.patching(patches) as active:
             if not specs:
-                return step(model, *args, **kwargs)
-            with _capture.collecting_for(specs) as collector:
                 result = step(model, *args, **kwargs)
+                model._cs.patch_hits.update(active.hits if active else ())
+                return result
+            with _capture.collecting_for(specs) as collector:
+                if collector.wants_grads and kind != "predict":
+                    result = _steps.step_with_grads(model, kind, step, args, kwargs, collector)
+                else:
+                    result = step(model, *args, **kwargs)
                 result = _steps.unsmuggle(result, collector)
+                model._cs.patch_hits.update(active.hits if active else ())
                 model._cs.seen.update(dict.fromkeys(p for _, p, _, _, _ in collector.tree))
                 return _steps.attach(kind, result, collector.finalize())
 
@@ -95,6 +111,8 @@ class _State:
         self.lock = threading.RLock()
         self.unbaked = False
         self.captures: list = []  # open cs.capture scopes, outermost first
+        self.patches: list = []  # open cs.patch scopes: dicts {point: fn}
+        self.patch_hits: set[str] = set()  # patched points seen in traces
         self.sinks: tuple = ()  # the captures the running call fills
         self.running: list[str] = []  # entry points in progress (fit, predict, ...)
         self.seen: dict[str, None] = {}  # points seen in traces, for error messages
@@ -270,7 +288,8 @@ class ContextMixin:
             else ()
         )
         captures = tuple(state.captures)
-        if not state.names and not captures:
+        patches = self._cs_patch_items()
+        if not state.names and not captures and not patches:
             try:
                 yield
             except BaseException:
@@ -283,7 +302,7 @@ class ContextMixin:
                 values[name] = self._cs_dynamic_variable(name, values[name])
         key = self._cs_key(values)
         if captures:
-            _steps.check_capture_supported(self, method)
+            _steps.check_capture_supported(self, method, tuple(c.spec for c in captures))
         # Names this model registered but that are not set are blanked out, so an
         # outer scope's value cannot reach a trace of another key.
         pushed = {**dict.fromkeys(state.names), **values}
@@ -291,9 +310,11 @@ class ContextMixin:
             sinks, state.sinks = state.sinks, captures
             state.running.append(method)
             try:
-                with self._cs_capturing(captures, first_batch=first_batch) as specs:
+                with self._cs_capturing(captures, patches, first_batch=first_batch) as specs:
                     if specs:
                         key = (*key, (_CAPTURE, specs))
+                    if patches:
+                        key = (*key, (_PATCH, patches))
                     previous = state.installed
                     swapped = key != previous
                     if swapped:
@@ -313,15 +334,15 @@ class ContextMixin:
                 state.sinks = sinks
 
     @contextlib.contextmanager
-    def _cs_capturing(self, captures, first_batch=None):
-        """Wraps the selected layers and settles each capture's spec for the run."""
-        if not captures:
+    def _cs_capturing(self, captures, patches=(), first_batch=None):
+        """Wraps the layers and settles each capture's spec for the run."""
+        if not captures and not patches:
             yield ()
             return
         if not self.built and first_batch is not None:
             self(first_batch, training=False)  # build: layer paths are set on build
         specs = tuple(c.spec for c in captures)
-        with _capture.wrapped_layers(self, specs):
+        with _capture.wrapped_layers(self, specs, everything=bool(patches)):
             if any(s.stats and "hist" in s.stats and not s.hist_range and not s.ranges
                    for s in specs):
                 self._cs_hist_ranges(captures, first_batch)
@@ -414,6 +435,12 @@ class ContextMixin:
     # ------------------------------------------------------------------
     # Capture plumbing (see _capture.py and _steps.py)
     # ------------------------------------------------------------------
+    def _cs_patch_items(self) -> tuple:
+        merged = {}
+        for patch in self._cs.patches:
+            merged.update(patch)  # the inner scope wins
+        return tuple(merged.items())
+
     def _cs_push_capture(self, capture) -> None:
         with self._cs.lock:
             self._cs.captures.append(capture)
@@ -456,6 +483,19 @@ class ContextMixin:
     def make_predict_function(self, force=False):
         super().make_predict_function(force=force)
         return self._cs_wrap_function("predict")
+
+    def _compute_loss(self, *args, **kwargs):
+        # Keras's default train/test steps call `_compute_loss` (keras 3.15.1,
+        # trainers/trainer.py:404); it wraps a user's `compute_loss` override, so
+        # the loss seen here is the final one. See _steps.loss_hook.
+        with _steps.inside_loss_hook():
+            loss = super()._compute_loss(*args, **kwargs)
+        return _steps.loss_hook(loss)
+
+    def compute_loss(self, *args, **kwargs):
+        # Custom train steps usually call the public `compute_loss` directly.
+        loss = super().compute_loss(*args, **kwargs)
+        return loss if _steps.in_loss_hook() else _steps.loss_hook(loss)
 
     def compute_loss_and_updates(self, *args, **kwargs):
         # JAX only (its trainer's forward for grad): carry sown values out of the
@@ -505,7 +545,8 @@ class ContextMixin:
     def __call__(self, *args, **kwargs):
         state = self._cs
         eager_capture = (
-            state.captures and not state.running and _capture.active_collector() is None
+            (state.captures or state.patches) and not state.running
+            and _capture.active_collector() is None and _capture.active_patches() is None
             and not any(isinstance(a, keras.KerasTensor) for a in keras.tree.flatten(args))
         )
         if eager_capture:
@@ -524,13 +565,19 @@ class ContextMixin:
         """A direct `model(x)` inside a capture scope: collected eagerly."""
         state = self._cs
         captures = tuple(state.captures)
+        patches = self._cs_patch_items()
+        if captures:
+            _steps.check_capture_supported(self, "__call__", tuple(c.spec for c in captures))
         sinks, state.sinks = state.sinks, captures
         state.running.append("__call__")
         try:
-            with self._cs_capturing(captures, first_batch=args[0] if args else None) as specs:
-                with _capture.collecting_for(specs) as collector:
+            first = args[0] if args else None
+            with self._cs_capturing(captures, patches, first_batch=first) as specs:
+                with _capture.collecting_for(specs) as collector, \
+                        _capture.patching(patches) as active:
                     outputs = self(*args, **kwargs)
                     sown = collector.finalize()
+                state.patch_hits.update(active.hits if active else ())
                 state.seen.update(dict.fromkeys(p for _, p, _, _, _ in collector.tree))
             state.running.pop()
             self._cs_sink("call", sown)

@@ -1,0 +1,167 @@
+"""d loss / d intermediate inside compiled and eager steps, against backend autodiff."""
+
+import keras
+import numpy as np
+import pytest
+from conftest import BACKEND, numpy
+
+import callscope as cs
+
+rng = np.random.default_rng(0)
+X = rng.normal(size=(6, 4)).astype("float32")
+Y = rng.normal(size=(6, 2)).astype("float32")
+W = np.array([1.0, 0.5, 2.0, 0.0, 1.5, 1.0], "float32")
+MODES = ["compiled", "eager"]
+
+
+class Block(keras.layers.Layer):
+    def __init__(self, units, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(units)
+
+    def call(self, x):
+        return keras.ops.tanh(cs.sow(self, "pre_act", self.dense(x)))
+
+
+class Net(cs.Model):
+    def __init__(self):
+        super().__init__(name="net")
+        self.b0 = Block(3, name="b0")
+        self.b1 = Block(2, name="b1")
+
+    def call(self, x):
+        return self.b1(self.b0(x))
+
+
+def _net(mode):
+    keras.utils.set_random_seed(0)
+    net = Net()
+    net.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse", run_eagerly=mode == "eager")
+    net(X)
+    return net
+
+
+def _autodiff(fn, h):
+    """d fn(h) / d h with the backend's own autodiff (the eager reference)."""
+    if BACKEND == "jax":
+        import jax
+
+        return np.asarray(jax.grad(lambda v: fn(v))(keras.ops.convert_to_tensor(h)))
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        v = tf.constant(h)
+        with tf.GradientTape() as tape:
+            tape.watch(v)
+            out = fn(v)
+        return tape.gradient(out, v).numpy()
+    import torch
+
+    v = torch.tensor(h, requires_grad=True)
+    fn(v).backward()
+    return v.grad.numpy()
+
+
+def _reference_grads(net, x, y, w=None):
+    """d loss / d b0 pre-activation and d loss / d b1 output, by backend autodiff."""
+    w0, c0 = (numpy(v) for v in net.b0.dense.weights)
+    w1, c1 = (numpy(v) for v in net.b1.dense.weights)
+    w = np.ones(len(x), "float32") if w is None else w
+    ops = keras.ops
+
+    t = ops.convert_to_tensor
+
+    def loss_from_out(out):  # Keras mse, sum_over_batch_size, with sample weights
+        per_sample = ops.mean(ops.square(ops.subtract(out, t(y))), axis=-1)
+        return ops.sum(ops.multiply(per_sample, t(w))) / len(x)
+
+    def loss_from_p0(p0):
+        return loss_from_out(ops.tanh(ops.add(ops.matmul(ops.tanh(p0), t(w1)), t(c1))))
+
+    p0 = x @ w0 + c0
+    out = np.tanh(np.tanh(p0) @ w1 + c1)
+    analytic_out = 2 * (out - y) * w[:, None] / out.size
+    return {
+        "net/b0/pre_act:grad": _autodiff(loss_from_p0, p0.astype("float32")),
+        "net/b1:grad": _autodiff(loss_from_out, out.astype("float32")),
+        "analytic net/b1:grad": analytic_out,
+    }
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("method", ["fit", "evaluate", "train_on_batch", "test_on_batch"])
+def test_grads_match_backend_autodiff_with_sample_weights(method, mode):
+    net = _net(mode)
+    ref = _reference_grads(net, X, Y, W)
+    with cs.capture(net, ["net/b0/pre_act", "net/b1"], kinds=("grad",)) as cap:
+        if method == "fit":
+            net.fit(X, Y, sample_weight=W, batch_size=6, epochs=1, shuffle=False, verbose=0)
+        elif method == "evaluate":
+            net.evaluate(X, Y, sample_weight=W, batch_size=6, verbose=0)
+        elif method == "train_on_batch":
+            net.train_on_batch(X, Y, sample_weight=W)
+        else:
+            net.test_on_batch(X, Y, sample_weight=W)
+    assert sorted(cap) == ["net/b0/pre_act:grad", "net/b1:grad"]
+    for key in cap:
+        np.testing.assert_allclose(cap[key], ref[key], rtol=1e-5, atol=1e-7, err_msg=key)
+    np.testing.assert_allclose(ref["net/b1:grad"], ref["analytic net/b1:grad"], rtol=1e-5,
+                               atol=1e-7)
+
+
+def test_grads_in_fit_are_from_the_same_step_that_updates_weights():
+    keras.utils.set_random_seed(0)
+    net = Net()
+    net.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    net(X)
+    first = _reference_grads(net, X[:3], Y[:3])["net/b1:grad"]
+    with cs.capture(net, "net/b1", kinds=("grad", "output")) as cap:
+        history = net.fit(X, Y, batch_size=3, epochs=1, shuffle=False, verbose=0)
+    assert set(history.history) == {"loss"}
+    assert cap["net/b1:grad"].shape == (6, 2) and cap["net/b1:output"].shape == (6, 2)
+    np.testing.assert_allclose(cap["net/b1:grad"][:3], first, rtol=1e-5, atol=1e-7)
+    # the second step ran after the first update: its gradient differs from step-0 weights
+    assert not np.allclose(cap["net/b1:grad"][3:], _reference_grads(_net("compiled"), X[3:],
+                                                                   Y[3:])["net/b1:grad"])
+
+
+def test_class_weights_equal_the_matching_sample_weights():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    hidden = keras.layers.Dense(5, name="hidden")(inputs)
+    model = cs.Model(inputs, keras.layers.Dense(3, name="logits")(hidden))
+    model.compile(optimizer=keras.optimizers.SGD(0.0),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    labels = np.array([0, 1, 2, 1, 0, 2])
+    class_weight = {0: 1.0, 1: 3.0, 2: 0.5}
+    with cs.capture(model, "hidden", kinds=("grad",)) as by_class:
+        model.fit(X, labels, class_weight=class_weight, batch_size=6, shuffle=False, verbose=0)
+    weights = np.array([class_weight[c] for c in labels], "float32")
+    with cs.capture(model, "hidden", kinds=("grad",)) as by_sample:
+        model.fit(X, labels, sample_weight=weights, batch_size=6, shuffle=False, verbose=0)
+    np.testing.assert_allclose(by_class["hidden:grad"], by_sample["hidden:grad"], rtol=1e-6)
+    assert np.abs(by_class["hidden:grad"]).max() > 0
+
+
+def test_gradient_norm_statistics_per_step():
+    net = _net("compiled")
+    with cs.capture(net, "net/b?", kinds=("grad",), reduce=("rms", "absmax")) as cap:
+        net.fit(X, Y, batch_size=2, epochs=1, shuffle=False, verbose=0)
+    rms = cap["net/b1:grad/rms"]
+    assert rms.shape == (3,)
+    for step in range(3):
+        rows = slice(2 * step, 2 * step + 2)
+        ref = _reference_grads(net, X[rows], Y[rows])["net/b1:grad"]
+        assert rms[step] == pytest.approx(np.sqrt((ref ** 2).mean()), rel=1e-5)
+
+
+def test_grads_need_a_loss():
+    net = _net("compiled")
+    with pytest.raises(ValueError, match="needs a loss.*`predict` has none"):
+        with cs.capture(net, kinds=("grad",)):
+            net.predict(X, verbose=0)
+    keras.utils.set_random_seed(0)
+    uncompiled = Net()
+    with pytest.raises(ValueError, match="needs a compiled model"):
+        with cs.capture(uncompiled, kinds=("grad",)):
+            uncompiled.train_on_batch(X, Y)

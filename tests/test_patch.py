@@ -1,0 +1,85 @@
+"""cs.patch: interventions inside compiled and eager calls, leaving nothing behind."""
+
+import keras
+import numpy as np
+import pytest
+from conftest import numpy
+
+import callscope as cs
+
+rng = np.random.default_rng(1)
+CLEAN = rng.normal(size=(5, 4)).astype("float32")
+CORRUPT = CLEAN + rng.normal(size=(5, 4)).astype("float32")
+
+
+class Block(keras.layers.Layer):
+    def __init__(self, units, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(units)
+
+    def call(self, x):
+        return keras.ops.relu(cs.sow(self, "pre_act", self.dense(x)))
+
+
+def _model(jit_compile):
+    keras.utils.set_random_seed(0)
+    model = cs.Sequential([keras.Input((4,)), Block(8, name="b0"), Block(8, name="b1"),
+                           keras.layers.Dense(3, name="logits")], name="tiny")
+    model.compile(optimizer="sgd", loss="mse", jit_compile=jit_compile)
+    return model
+
+
+@pytest.mark.parametrize("jit_compile", [False, "auto"])
+def test_activation_patching_recovers_the_clean_logits_exactly(jit_compile):
+    model = _model(jit_compile)
+    clean_logits = model.predict(CLEAN, verbose=0)
+    with cs.capture(model, "tiny/b1") as clean:
+        model.predict(CLEAN, verbose=0)
+    corrupt_logits = model.predict(CORRUPT, verbose=0)
+    assert not np.allclose(corrupt_logits, clean_logits)
+    clean_b1 = clean["tiny/b1:output"]
+    with cs.patch(model, {"tiny/b1": lambda h: keras.ops.convert_to_tensor(clean_b1)}):
+        patched = model.predict(CORRUPT, verbose=0)
+        eager = numpy(model(CORRUPT))
+    np.testing.assert_array_equal(patched, clean_logits)
+    np.testing.assert_allclose(eager, clean_logits, rtol=1e-6)
+    np.testing.assert_array_equal(model.predict(CORRUPT, verbose=0), corrupt_logits)
+
+
+def test_patching_a_sown_point_changes_what_follows():
+    model = _model("auto")
+    base = model.predict(CLEAN, verbose=0)
+    with cs.patch(model, {"tiny/b0/pre_act": lambda h: h * 0.0}):
+        zeroed = model.predict(CLEAN, verbose=0)
+    bias_only = model.layers[1](model.layers[1].dense.weights[1][None, :] * 0.0 + 0.0)
+    assert not np.allclose(base, zeroed)
+    w, c = (numpy(v) for v in model.get_layer("b1").dense.weights)
+    wl, cl = (numpy(v) for v in model.get_layer("logits").weights)
+    expected = np.maximum(np.zeros((5, 8)) @ w + c, 0) @ wl + cl
+    np.testing.assert_allclose(zeroed, expected, rtol=1e-5, atol=1e-6)
+    del bias_only
+
+
+def test_patch_leaves_no_trace_even_after_an_exception():
+    model = _model("auto")
+    base = model.predict(CLEAN, verbose=0)
+    with pytest.raises(RuntimeError, match="inside"):
+        with cs.patch(model, {"tiny/b0": lambda h: h * 0.0}):
+            model.predict(CLEAN, verbose=0)
+            raise RuntimeError("inside")
+    assert model._cs.patches == []
+    assert all("call" not in layer.__dict__ for layer in model._flatten_layers())
+    np.testing.assert_array_equal(model.predict(CLEAN, verbose=0), base)
+
+
+def test_patched_runs_in_fit_and_unknown_points_are_named():
+    model = _model("auto")
+    with cs.patch(model, {"tiny/logits": lambda y: y * 0.0}):
+        loss = model.evaluate(CLEAN, np.ones((5, 3)), verbose=0)
+    assert loss == pytest.approx(1.0)
+    with pytest.raises(ValueError, match=r"never reached \['tiny/b2'\].*tiny/b"):
+        with cs.patch(model, {"tiny/b2": lambda h: h}):
+            model.predict(CLEAN, verbose=0)
+    with pytest.raises(TypeError, match="Received"):
+        with cs.patch(model, {"tiny/b0": 3}):
+            pass
