@@ -165,3 +165,31 @@ def test_grads_need_a_loss():
     with pytest.raises(ValueError, match="needs a compiled model"):
         with cs.capture(uncompiled, kinds=("grad",)):
             uncompiled.train_on_batch(X, Y)
+
+
+def test_intermediate_grads_helper_for_your_own_steps():
+    net = _net("compiled")
+    ref = _reference_grads(net, X, Y, W)
+    loss_fn = keras.losses.MeanSquaredError()
+    x, y, w = (keras.ops.convert_to_tensor(a) for a in (X, Y, W))
+    if BACKEND == "jax":  # the stateless style: a pure function of the state
+        tv = [v.value for v in net.trainable_variables]
+        ntv = [v.value for v in net.non_trainable_variables]
+
+        def compute(tv, x):
+            y_pred, _ = net.stateless_call(tv, ntv, x, training=True)
+            return loss_fn(y, y_pred, sample_weight=w), y_pred
+
+        result = cs.intermediate_grads(net, compute, tv, x, select=["net/b0/pre_act", "net/b1"])
+    else:
+        def compute(x):
+            y_pred = net(x, training=True)
+            return loss_fn(y, y_pred, sample_weight=w), y_pred
+
+        result = cs.intermediate_grads(net, compute, x, select=["net/b0/pre_act", "net/b1"])
+    assert sorted(result.grads) == ["net/b0/pre_act:grad", "net/b1:grad"]
+    for key, value in result.grads.items():
+        np.testing.assert_allclose(numpy(value), ref[key], rtol=1e-5, atol=1e-7, err_msg=key)
+    np.testing.assert_allclose(numpy(result.outputs["net/b1:output"]), numpy(result.aux),
+                               rtol=1e-6)
+    assert float(numpy(result.loss)) > 0

@@ -6,7 +6,8 @@ import callscope as cs
 
 PUBLIC = {
     "Capture", "ContextMixin", "Functional", "Model", "Sequential", "capture", "collecting",
-    "context", "context_args", "current", "emit", "enable", "patch", "points", "sow", "summary",
+    "context", "context_args", "current", "emit", "enable", "intermediate_grads",
+    "IntermediateGrads", "patch", "points", "sow", "summary",
 }
 
 
@@ -20,6 +21,8 @@ def test_every_public_name_has_a_docstring_with_an_example():
         doc = inspect.getdoc(getattr(cs, name)) or ""
         if name == "ContextMixin":
             doc = inspect.getdoc(cs.ContextMixin.register_context_args)
+        if name == "IntermediateGrads":
+            doc = inspect.getdoc(cs.intermediate_grads)
         if name == "Capture":
             doc = inspect.getdoc(cs.capture)
         assert ">>>" in doc, name

@@ -22,6 +22,8 @@ from callscope._capture import sow as sow
 from callscope._context import context as context
 from callscope._context import current as current
 from callscope._mixin import ContextMixin as ContextMixin
+from callscope._grad import IntermediateGrads as IntermediateGrads
+from callscope._grad import intermediate_grads as intermediate_grads
 from callscope._model import Functional as Functional
 from callscope._model import Model as Model
 from callscope._model import Sequential as Sequential
@@ -37,6 +39,7 @@ __all__ = [
     "Capture",
     "ContextMixin",
     "Functional",
+    "IntermediateGrads",
     "Model",
     "Sequential",
     "capture",
@@ -46,6 +49,7 @@ __all__ = [
     "current",
     "emit",
     "enable",
+    "intermediate_grads",
     "patch",
     "points",
     "sow",

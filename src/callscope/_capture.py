@@ -85,6 +85,10 @@ class Collector:
         self.grad_sources: dict[str, list] = {}
         self.perturbations: dict | None = None
         self.loss = None  # set by the loss hook, for TensorFlow's outer tape
+        self.manual = False  # cs.intermediate_grads takes the gradients itself
+        # Makes a gradient source differentiable (TF: tape.watch; torch: a leaf
+        # that requires grad) and returns the value the forward pass goes on with.
+        self.on_grad_source = _differentiable_source()
 
     def record(self, point: str, layer: Any, kind: str, value: Any, sown: bool) -> Any:
         """Records `value` for every spec that selects it; returns the value to use.
@@ -105,6 +109,8 @@ class Collector:
                 name = f"{index}|{point}|{len(sources)}"
                 if self.perturbations is not None and name in self.perturbations:
                     value = value + self.perturbations[name]
+                if self.on_grad_source is not None:
+                    value = self.on_grad_source(value)
                 sources.append(value)
         return value
 
@@ -138,6 +144,12 @@ class Collector:
                 else:
                     out[f"{index}|{key}"] = value if len(value.shape) else ops.expand_dims(value, 0)
         return out
+
+
+def _differentiable_source():
+    if _TORCH:
+        return lambda v: v if v.requires_grad else v.detach().requires_grad_()
+    return None
 
 
 def active_collector() -> Collector | None:

@@ -150,7 +150,7 @@ def in_loss_hook() -> bool:
 def loss_hook(loss):
     """Called with every loss a step computes; takes intermediate gradients."""
     collector = _capture.active_collector()
-    if collector is None or not collector.wants_grads or loss is None or _JAX:
+    if collector is None or not collector.wants_grads or collector.manual or loss is None or _JAX:
         return loss
     collector.loss = loss
     if BACKEND == "torch":
@@ -173,6 +173,7 @@ def step_with_grads(model, kind, step, args, kwargs, collector):
         import tensorflow as tf
 
         with tf.GradientTape(persistent=True) as tape:
+            collector.on_grad_source = lambda v: (tape.watch(v), v)[1]
             result = step(model, *args, **kwargs)
         _require_loss(collector, kind)
         sources = collector.grad_source_list()
@@ -192,7 +193,7 @@ def step_with_grads(model, kind, step, args, kwargs, collector):
             f"cs.capture(kinds=('grad',)) on JAX differentiates through callscope's own "
             f"copy of Keras's {kind}_step, and `{type(model).__name__}` overrides "
             f"`{kind}_step`. Inside your own stateless step, use "
-            "`cs.intermediate_grads(...)`. Received: a custom "
+            "`cs.intermediate_grads(model, loss_fn, ...)`. Received: a custom "
             f"{kind}_step"
         )
     return _jax_step_with_grads(model, kind, args[0], args[1], collector)
