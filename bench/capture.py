@@ -9,7 +9,8 @@ Per backend, on an 8-block MLP (256 units), prints ratios measured in one run
 3. the same capture vs an eager per-batch loop over that multi-output model (a
    speed-up: higher is better);
 4. statistics-only capture of the 8 blocks during fit vs plain fit;
-5. streaming capture (`to=`) peak RSS growth when the data grows 4x.
+5. gradient statistics (d loss / d block output: rms, absmax) during fit vs plain fit;
+6. streaming capture (`to=`) peak RSS growth when the data grows 4x.
 
 Usage:
     python bench/capture.py                  # jax, tensorflow, torch
@@ -119,6 +120,14 @@ def run_backend(repeats):
 
     r, t = _ratio(stats_fit, lambda: plain.fit(x, y, batch_size=BATCH, verbose=0), repeats)
     rows.append(("stats capture of 8 blocks in fit vs plain fit", r, t, "target <= 1.10"))
+
+    # 6. gradient statistics (per-block gradient norms) during fit vs plain fit.
+    def grad_stats_fit():
+        with cs.capture(plain, "block_?", kinds=("grad",), reduce=("rms", "absmax")):
+            plain.fit(x, y, batch_size=BATCH, verbose=0)
+
+    r, t = _ratio(grad_stats_fit, lambda: plain.fit(x, y, batch_size=BATCH, verbose=0), repeats)
+    rows.append(("grad stats of 8 blocks in fit vs plain fit", r, t, "target <= 1.15"))
 
     print(f"\n{keras.backend.backend()} (keras {keras.__version__}, {repeats} repeats)")
     for name, r, t, note in rows:

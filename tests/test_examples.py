@@ -13,10 +13,10 @@ JAX_ONLY = {"seed_002_custom_fit_jax.py"}  # the guide it comes from is JAX-only
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in EXAMPLES.glob("*.py")))
-def test_example_runs(name):
+def test_example_runs(name, tmp_path):
     if name in JAX_ONLY and BACKEND != "jax":
         pytest.skip("a stateless JAX train_step runs on the JAX backend only")
     env = {**os.environ, "KERAS_BACKEND": BACKEND}
     proc = subprocess.run([sys.executable, str(EXAMPLES / name)], capture_output=True,
-                          text=True, env=env, timeout=600)
+                          text=True, env=env, timeout=600, cwd=tmp_path)  # files land there
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
