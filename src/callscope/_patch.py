@@ -30,9 +30,9 @@ def patch(model, patches: Mapping[str, Callable[[Any], Any]]) -> Iterator[None]:
     >>> import keras, numpy as np, callscope as cs
     >>> model = cs.Sequential([keras.Input((2,)), keras.layers.Dense(2, name="hidden")],
     ...                       name="mlp")
-    >>> with cs.patch(model, {"mlp/hidden": lambda h: h * 0.0}):
+    >>> with cs.patch(model, {"mlp/hidden": keras.ops.ones_like}):
     ...     model.predict(np.ones((1, 2)), verbose=0)
-    array([[0., 0.]], dtype=float32)
+    array([[1., 1.]], dtype=float32)
     """
     from callscope._mixin import ContextMixin
 
