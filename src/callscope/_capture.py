@@ -380,9 +380,10 @@ class Capture(Mapping):
     `point:kind`, or `point:kind/stat` with `reduce=`.
     """
 
-    def __init__(self, model, spec: Spec, to: str | os.PathLike | None):
+    def __init__(self, model, spec: Spec, to: str | os.PathLike | None, log: bool = False):
         self._model = model
         self.spec = spec
+        self.log = log
         self._full: dict[str, list[np.ndarray]] = {}
         self._rows: dict[str, list[dict]] = {}
         self._per_step = False
@@ -530,6 +531,7 @@ def capture(
     bins: int = 32,
     hist_range: tuple[float, float] | None = None,
     to: str | os.PathLike | None = None,
+    log: bool = False,
 ) -> Capture:
     """A scope that captures intermediates of every call of `model` inside it.
 
@@ -546,6 +548,9 @@ def capture(
             (array inputs).
         to: a directory: full tensors stream there in shards, and are read back
             memory-mapped.
+        log: with `reduce=`, each `fit` in the scope adds one exact per-epoch
+            aggregate of every statistic to the epoch logs (History, CSVLogger,
+            TensorBoard record them; the progress bar does not show them).
 
     Example:
 
@@ -589,5 +594,8 @@ def capture(
         hist_range = (lo, hi)
     if stats and to is not None:
         raise ValueError("`to=` streams full tensors; it cannot be combined with `reduce=`.")
+    if log and not stats:
+        raise ValueError("`log=True` puts statistics into the epoch logs: give `reduce=` too. "
+                         f"Received: log={log}, reduce={reduce!r}")
     spec = Spec(select, kinds, stats, int(bins), hist_range)
-    return Capture(model, spec, to)
+    return Capture(model, spec, to, log=log)

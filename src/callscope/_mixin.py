@@ -429,8 +429,18 @@ class ContextMixin:
         allowed = _keras_method_parameters(type(self), method)
         given = self._cs_split(method, kwargs, allowed)
         first_batch = _first_batch(args, kwargs) if self._cs.captures else None
-        with self._cs_entry(method, given, first_batch=first_batch):
-            return getattr(super(), method)(*args, **kwargs)
+        logging = next((c for c in reversed(self._cs.captures) if c.log), None)
+        if method == "fit" and logging is not None:
+            from callscope._logger import EpochStatistics
+
+            callbacks = list(kwargs.get("callbacks") or [])
+            kwargs["callbacks"] = [EpochStatistics(logging), *callbacks]
+            self.__dict__["_callscope_fit_callbacks"] = callbacks
+        try:
+            with self._cs_entry(method, given, first_batch=first_batch):
+                return getattr(super(), method)(*args, **kwargs)
+        finally:
+            self.__dict__.pop("_callscope_fit_callbacks", None)
 
     # ------------------------------------------------------------------
     # Capture plumbing (see _capture.py and _steps.py)

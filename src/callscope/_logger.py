@@ -1,0 +1,77 @@
+"""Statistics captured during `fit`, in the places Keras users already look.
+
+`cs.capture(model, reduce=..., log=True)` makes every `fit` inside the scope put
+one exact per-epoch aggregate of each statistic into the epoch logs, so History,
+`CSVLogger` and the `TensorBoard` callback record them like any metric (histograms
+go to TensorBoard as histograms). The progress bar is left alone: the callback that
+does this is Keras's own progress bar with the statistics filtered out, so Keras
+adds no second one.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from keras import callbacks as keras_callbacks
+
+from callscope import _reduce
+
+
+class EpochStatistics(keras_callbacks.ProgbarLogger):
+    """Adds a capture's per-epoch statistics to the epoch logs, and prints progress.
+
+    Inserted first in `fit`'s callbacks by callscope when a `cs.capture(...,
+    log=True)` is open, so History, CSVLogger and TensorBoard (later in the list)
+    see the statistics. Not meant to be constructed by hand.
+    """
+
+    def __init__(self, capture):
+        super().__init__()
+        self.capture = capture
+        self._start: dict[str, int] = {}
+        self._keys: set[str] = set()
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._start = {key: len(rows) for key, rows in self.capture._rows.items()}
+        super().on_epoch_begin(epoch, logs)
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is not None:
+            scalars, histograms = self.epoch_statistics()
+            logs.update(scalars)
+            self._keys.update(scalars)
+            self._write_histograms(histograms, epoch)
+        shown = {k: v for k, v in (logs or {}).items() if k not in self._keys}
+        super().on_epoch_end(epoch, shown)
+
+    def epoch_statistics(self):
+        """Exact aggregates over this epoch's steps: ({key: float}, {key: counts})."""
+        scalars, histograms = {}, {}
+        for key, rows in self.capture._rows.items():
+            epoch_rows = rows[self._start.get(key, 0):]
+            if not epoch_rows:
+                continue
+            converted = [{k: _reduce.to_numpy(v) for k, v in r.items()} for r in epoch_rows]
+            stacked = {k: np.concatenate([r[k] for r in converted]) for k in converted[0]}
+            merged = _reduce.merge(stacked)
+            for stat in self.capture.spec.stats:
+                value = _reduce.finalize(merged, stat)
+                if stat == "hist":
+                    histograms[f"{key}/hist"] = value
+                else:
+                    scalars[f"{key}/{stat}"] = float(value)
+        return scalars, histograms
+
+    def _write_histograms(self, histograms, epoch):
+        board = next((cb for cb in getattr(self.model, "_callscope_fit_callbacks", ())
+                      if isinstance(cb, keras_callbacks.TensorBoard)), None)
+        if board is None or not histograms:
+            return
+        import tensorflow as tf  # the TensorBoard callback needs it anyway
+
+        writer = tf.summary.create_file_writer(f"{board.log_dir}/train")
+        with writer.as_default():
+            for key, counts in histograms.items():
+                edges = self.capture.hist_edges(key)
+                centres = np.repeat((edges[:-1] + edges[1:]) / 2, counts.astype(np.int64))
+                tf.summary.histogram(key, centres, step=epoch, buckets=len(counts))
+        writer.flush()

@@ -1,0 +1,106 @@
+"""PNG plots of captured statistics: one panel per block, axes labelled."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import numpy as np
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _grid(n):
+    cols = min(4, n)
+    return math.ceil(n / cols), cols
+
+
+def _points(stats, suffix):
+    return sorted({k[: -len(suffix)] for k in stats if k.endswith(suffix)})
+
+
+def plot_step_statistics(stats: Mapping[str, np.ndarray], path, stat_names=("mean", "std",
+                                                                           "frac_zero"),
+                         kind="output", title="Activation statistics per training step"):
+    """One panel per point: each statistic against the training step."""
+    plt = _pyplot()
+    points = _points(stats, f":{kind}/{stat_names[0]}")
+    rows, cols = _grid(len(points))
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
+    for ax, point in zip(axes.flat, points):
+        for stat in stat_names:
+            key = f"{point}:{kind}/{stat}"
+            if key in stats:
+                values = np.atleast_1d(stats[key])
+                ax.plot(np.arange(len(values)), values, label=stat)
+        ax.set_title(point, fontsize=9)
+        ax.set_xlabel("training step")
+        ax.set_ylabel("value")
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(points):]:
+        ax.axis("off")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def plot_histograms(stats: Mapping[str, np.ndarray], edges: Mapping[str, np.ndarray], path,
+                    title="Activation histograms: first and last training step"):
+    """One panel per point: the first and last step's histogram, overlaid."""
+    plt = _pyplot()
+    keys = sorted(k for k in stats if k.endswith("/hist"))
+    rows, cols = _grid(len(keys))
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
+    for ax, key in zip(axes.flat, keys):
+        counts = np.asarray(stats[key])
+        counts = counts if counts.ndim == 2 else counts[None]
+        e = edges[key]
+        width = np.diff(e)
+        for row, label, alpha in ((counts[0], "first step", 0.5), (counts[-1], "last step", 0.5)):
+            ax.bar(e[:-1], row / max(row.sum(), 1), width=width, align="edge", alpha=alpha,
+                   label=label)
+        ax.set_title(key.rsplit(":", 1)[0], fontsize=9)
+        ax.set_xlabel("activation value")
+        ax.set_ylabel("fraction")
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(keys):]:
+        ax.axis("off")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def plot_grad_norms(stats: Mapping[str, np.ndarray], path, stat="rms",
+                    title="Gradient of the loss per block (rms) per training step"):
+    """One panel per point: d loss / d output, its `stat`, against the step."""
+    plt = _pyplot()
+    points = _points(stats, f":grad/{stat}")
+    rows, cols = _grid(len(points))
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
+    for ax, point in zip(axes.flat, points):
+        values = np.atleast_1d(stats[f"{point}:grad/{stat}"])
+        ax.plot(np.arange(len(values)), values, color="tab:red")
+        ax.set_yscale("log")
+        ax.set_title(point, fontsize=9)
+        ax.set_xlabel("training step")
+        ax.set_ylabel(f"grad {stat}")
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(points):]:
+        ax.axis("off")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
