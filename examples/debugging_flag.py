@@ -50,8 +50,8 @@ def main():
     x = rng.normal(size=(256, 8)).astype("float32")
     y = (x[:, 0] * x[:, 1] > 0).astype("int32")
     model = Classifier(name="classifier")
-    model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"])
+    model.compile(optimizer="adam", metrics=["accuracy"],
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
 
     # Training, with the debugging flag: statistics of what each block sows, per step.
     with cs.capture(model, reduce=("mean", "std", "frac_zero")) as stats:

@@ -6,7 +6,7 @@ import keras
 import numpy as np
 import pytest
 from conftest import BACKEND, numpy
-from models_for_tests import Inner, Outer, make_models
+from models_for_tests import Outer, make_models
 
 import callscope as cs
 

@@ -39,7 +39,8 @@ def test_tensor_for_a_static_name_points_to_dynamic(model):
 
 
 def test_unhashable_value_names_the_argument(model):
-    with pytest.raises(TypeError, match=r"`debugging` must be hashable.*Received: debugging=\[1, 2\]"):
+    expected = r"`debugging` must be hashable.*Received: debugging=\[1, 2\]"
+    with pytest.raises(TypeError, match=expected):
         model.predict(X, debugging=[1, 2], verbose=0)
     with pytest.raises(TypeError, match="`debugging`"):
         with cs.context(debugging={"a": 1}):

@@ -590,7 +590,9 @@ def capture(
     if hist_range is not None:
         lo, hi = (float(v) for v in hist_range)
         if not hi > lo:
-            raise ValueError(f"`hist_range` must be (lo, hi) with hi > lo. Received: {hist_range!r}")
+            raise ValueError(
+                f"`hist_range` must be (lo, hi) with hi > lo. Received: {hist_range!r}"
+            )
         hist_range = (lo, hi)
     if stats and to is not None:
         raise ValueError("`to=` streams full tensors; it cannot be combined with `reduce=`.")

@@ -31,6 +31,11 @@ REQUIRED_ATTRIBUTES = (
     (keras.layers.Layer, "_maybe_reset_call_context"),  # layer.py:1703
     (keras.layers.Layer, "_tracker"),  # instance attr, layer.py:~350
     (keras.layers.Layer, "_non_trainable_variables"),  # layer.py:1444
+    (keras.Model, "_compute_loss"),  # trainers/trainer.py:404, hooked by LossHook
+    (keras.Model, "_flatten_layers"),  # layers/layer.py:1708
+) + (
+    ((keras.Model, "_update_metrics_variables"),)  # backend/jax/trainer.py:98
+    if keras.backend.backend() == "jax" else ()
 )
 
 
@@ -319,3 +324,30 @@ def update_jax_metrics(model, metrics_vars, unscaled_loss, x, y, y_pred, sample_
     return model._update_metrics_variables(
         metrics_vars, unscaled_loss, x, y, y_pred, sample_weight
     )
+
+
+# --------------------------------------------------------------------------
+# The loss hook (keras 3.15.1: trainers/trainer.py:404-423)
+# --------------------------------------------------------------------------
+class LossHook:
+    """Sees every loss a train/test step computes, for intermediate gradients.
+
+    Keras's default steps call the private `_compute_loss`, which wraps a user's
+    `compute_loss` override, so the loss seen here is the final one; custom steps
+    usually call the public `compute_loss`, hooked too (once per loss). The model
+    class provides `_cs_loss_hook(loss) -> loss`.
+    """
+
+    _in_loss_hook = 0
+
+    def _compute_loss(self, *args, **kwargs):
+        self.__dict__["_in_loss_hook"] = self._in_loss_hook + 1
+        try:
+            loss = super()._compute_loss(*args, **kwargs)
+        finally:
+            self.__dict__["_in_loss_hook"] -= 1
+        return self._cs_loss_hook(loss)
+
+    def compute_loss(self, *args, **kwargs):
+        loss = super().compute_loss(*args, **kwargs)
+        return loss if self._in_loss_hook else self._cs_loss_hook(loss)

@@ -125,7 +125,7 @@ class _State:
         return [v for v in self.dynamic.values() if v is not None]
 
 
-class ContextMixin:
+class ContextMixin(_keras_compat.LossHook):
     """Adds context arguments to a Keras model. Used through `cs.Model`,
     `cs.Sequential` and `cs.enable`.
 
@@ -396,7 +396,8 @@ class ContextMixin:
         entry = self._cs_entry_for(key, values)
         saved_steps = {}
         for kind in _KINDS:
-            self.__dict__[f"{kind}_function"] = entry.functions[kind]  # skips Keras attribute tracking
+            # Written to __dict__: Keras's attribute tracking costs ms per call.
+            self.__dict__[f"{kind}_function"] = entry.functions[kind]
             name = f"{kind}_step"
             saved_steps[name] = self.__dict__.pop(name, _MISSING)
             if entry.steps:
@@ -409,7 +410,8 @@ class ContextMixin:
         self._cs_store(key)
         entry = state.table.get(previous) or self._cs_entry_for(previous, {})
         for kind in _KINDS:
-            self.__dict__[f"{kind}_function"] = entry.functions[kind]  # skips Keras attribute tracking
+            # Written to __dict__: Keras's attribute tracking costs ms per call.
+            self.__dict__[f"{kind}_function"] = entry.functions[kind]
         for name, step in saved_steps.items():
             self.__dict__.pop(name, None)
             if step is not _MISSING:
@@ -479,7 +481,7 @@ class ContextMixin:
         if not _specs_of(self._cs.installed):
             return function
         wrapped = _steps.popper(self, kind, function)
-        self.__dict__[f"{kind}_function"] = wrapped  # skips Keras attribute tracking
+        self.__dict__[f"{kind}_function"] = wrapped  # no Keras attribute tracking
         return wrapped
 
     def make_train_function(self, force=False):
@@ -494,18 +496,8 @@ class ContextMixin:
         super().make_predict_function(force=force)
         return self._cs_wrap_function("predict")
 
-    def _compute_loss(self, *args, **kwargs):
-        # Keras's default train/test steps call `_compute_loss` (keras 3.15.1,
-        # trainers/trainer.py:404); it wraps a user's `compute_loss` override, so
-        # the loss seen here is the final one. See _steps.loss_hook.
-        with _steps.inside_loss_hook():
-            loss = super()._compute_loss(*args, **kwargs)
-        return _steps.loss_hook(loss)
-
-    def compute_loss(self, *args, **kwargs):
-        # Custom train steps usually call the public `compute_loss` directly.
-        loss = super().compute_loss(*args, **kwargs)
-        return loss if _steps.in_loss_hook() else _steps.loss_hook(loss)
+    def _cs_loss_hook(self, loss):
+        return _steps.loss_hook(loss)  # see _keras_compat.LossHook
 
     def compute_loss_and_updates(self, *args, **kwargs):
         # JAX only (its trainer's forward for grad): carry sown values out of the
@@ -665,7 +657,8 @@ def _keras_method_parameters(cls, method) -> set[str] | None:
     """The keywords Keras's own `method` accepts (None: anything goes)."""
     key = (cls, method)
     if key not in _PARAMETER_CACHE:
-        base = next(c for c in cls.__mro__ if c is not ContextMixin and not issubclass(c, ContextMixin))
+        ours = set(ContextMixin.__mro__)
+        base = next(c for c in cls.__mro__ if c not in ours and not issubclass(c, ContextMixin))
         params = inspect.signature(getattr(base, method)).parameters
         names = {n for n, p in params.items() if p.kind is not p.VAR_KEYWORD}
         if method == "evaluate":

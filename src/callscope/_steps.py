@@ -21,7 +21,6 @@ state reaches Keras.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 
 import keras
@@ -133,20 +132,6 @@ def check_capture_supported(model, method, specs=()):
 # JAX: a library-owned step differentiates the loss with respect to zero
 #   perturbations added to each source, found by `jax.eval_shape`, in the same
 #   `value_and_grad` as the weights: one forward pass.
-@contextlib.contextmanager
-def inside_loss_hook():
-    depth = getattr(_local, "loss_depth", 0)
-    _local.loss_depth = depth + 1
-    try:
-        yield
-    finally:
-        _local.loss_depth = depth
-
-
-def in_loss_hook() -> bool:
-    return getattr(_local, "loss_depth", 0) > 0
-
-
 def loss_hook(loss):
     """Called with every loss a step computes; takes intermediate gradients."""
     collector = _capture.active_collector()

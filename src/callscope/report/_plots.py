@@ -22,6 +22,24 @@ def _grid(n):
     return math.ceil(n / cols), cols
 
 
+def _figure(n):
+    """A grid with one panel per block, and a function that saves and closes it."""
+    plt = _pyplot()
+    rows, cols = _grid(n)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
+
+    def finish(title, path):
+        for ax in list(axes.flat)[n:]:
+            ax.axis("off")
+        fig.suptitle(title)
+        fig.tight_layout()
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        return path
+
+    return list(axes.flat)[:n], finish
+
+
 def _points(stats, suffix):
     return sorted({k[: -len(suffix)] for k in stats if k.endswith(suffix)})
 
@@ -30,11 +48,9 @@ def plot_step_statistics(stats: Mapping[str, np.ndarray], path, stat_names=("mea
                                                                            "frac_zero"),
                          kind="output", title="Activation statistics per training step"):
     """One panel per point: each statistic against the training step."""
-    plt = _pyplot()
     points = _points(stats, f":{kind}/{stat_names[0]}")
-    rows, cols = _grid(len(points))
-    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
-    for ax, point in zip(axes.flat, points):
+    axes, finish = _figure(len(points))
+    for ax, point in zip(axes, points):
         for stat in stat_names:
             key = f"{point}:{kind}/{stat}"
             if key in stats:
@@ -45,23 +61,15 @@ def plot_step_statistics(stats: Mapping[str, np.ndarray], path, stat_names=("mea
         ax.set_ylabel("value")
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(points):]:
-        ax.axis("off")
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return finish(title, path)
 
 
 def plot_histograms(stats: Mapping[str, np.ndarray], edges: Mapping[str, np.ndarray], path,
                     title="Activation histograms: first and last training step"):
     """One panel per point: the first and last step's histogram, overlaid."""
-    plt = _pyplot()
     keys = sorted(k for k in stats if k.endswith("/hist"))
-    rows, cols = _grid(len(keys))
-    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
-    for ax, key in zip(axes.flat, keys):
+    axes, finish = _figure(len(keys))
+    for ax, key in zip(axes, keys):
         counts = np.asarray(stats[key])
         counts = counts if counts.ndim == 2 else counts[None]
         e = edges[key]
@@ -73,23 +81,15 @@ def plot_histograms(stats: Mapping[str, np.ndarray], edges: Mapping[str, np.ndar
         ax.set_xlabel("activation value")
         ax.set_ylabel("fraction")
         ax.legend(fontsize=7)
-    for ax in list(axes.flat)[len(keys):]:
-        ax.axis("off")
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return finish(title, path)
 
 
 def plot_grad_norms(stats: Mapping[str, np.ndarray], path, stat="rms",
                     title="Gradient of the loss per block (rms) per training step"):
     """One panel per point: d loss / d output, its `stat`, against the step."""
-    plt = _pyplot()
     points = _points(stats, f":grad/{stat}")
-    rows, cols = _grid(len(points))
-    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
-    for ax, point in zip(axes.flat, points):
+    axes, finish = _figure(len(points))
+    for ax, point in zip(axes, points):
         values = np.atleast_1d(stats[f"{point}:grad/{stat}"])
         ax.plot(np.arange(len(values)), values, color="tab:red")
         ax.set_yscale("log")
@@ -97,10 +97,4 @@ def plot_grad_norms(stats: Mapping[str, np.ndarray], path, stat="rms",
         ax.set_xlabel("training step")
         ax.set_ylabel(f"grad {stat}")
         ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(points):]:
-        ax.axis("off")
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return finish(title, path)
