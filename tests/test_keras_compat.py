@@ -37,3 +37,13 @@ def test_private_keras_api_is_used_only_in_the_compat_module():
 def test_keras_version_is_in_the_supported_range():
     major, minor = (int(p) for p in keras.__version__.split(".")[:2])
     assert (major, minor) >= (3, 15)
+
+
+def test_stock_step_detection():
+    class Custom(keras.Model):
+        def train_step(self, *args):
+            return super().train_step(*args)
+
+    assert _keras_compat.is_stock_jax_step(keras.Model(), "train")
+    assert _keras_compat.is_stock_jax_step(Custom(), "test")
+    assert not _keras_compat.is_stock_jax_step(Custom(), "train")

@@ -282,10 +282,15 @@ def wrapped_layers(model, specs: tuple[Spec, ...], everything: bool = False) -> 
         for layer in _keras_compat.flatten_layers(model):
             if _is_input_layer(layer):
                 continue
-            # Every layer is wrapped: a layer's `path` is only known once it is
-            # built, so the selection is applied when the layer records.
             if not everything and not any(spec.wants_layers() for spec in specs):
                 break
+            # A built layer's `path` is known: skip it when no spec can select it.
+            # An unbuilt one is wrapped, and the selection applies when it records.
+            path = getattr(layer, "path", None)
+            if not everything and path is not None and not any(
+                spec.wants_layers() and spec.selects(path, layer, False) for spec in specs
+            ):
+                continue
             previous = layer.__dict__.get("call", None)
             layer.__dict__["call"] = _recording_call(layer, layer.call)
             installed.append((layer, previous))

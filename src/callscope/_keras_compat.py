@@ -312,10 +312,14 @@ def flatten_layers(model):
 # (keras 3.15.1: backend/jax/trainer.py:98-196)
 # --------------------------------------------------------------------------
 def is_stock_jax_step(model, kind):
-    """True when `model` uses the JAX trainer's own `<kind>_step`."""
-    from keras.src.backend.jax.trainer import JAXTrainer
+    """True when `model` uses Keras's own `<kind>_step`, not a user override.
 
-    return getattr(type(model), f"{kind}_step") is getattr(JAXTrainer, f"{kind}_step")
+    Decided by where the method is defined, not by a class name: keras main has
+    renamed the JAX trainer class (seen on keras-nightly 3.16.0.dev2026102704).
+    """
+    name = f"{kind}_step"
+    owner = next(c for c in type(model).__mro__ if name in c.__dict__)
+    return owner.__module__.split(".")[0] == "keras"
 
 
 def update_jax_metrics(model, metrics_vars, unscaled_loss, x, y, y_pred, sample_weight):

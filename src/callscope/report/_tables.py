@@ -14,8 +14,8 @@ def statistics_table(stats: Mapping[str, np.ndarray]) -> str:
     Example:
 
     >>> print(statistics_table({"m/a:output/mean": 1.0, "m/a:output/std": 0.5}))
-    point:kind    mean    std
-    m/a:output  1.0000 0.5000
+    point:kind   mean    std
+    m/a:output 1.0000 0.5000
     """
     rows: dict[str, dict[str, str]] = {}
     columns: list[str] = []
