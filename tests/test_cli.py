@@ -69,8 +69,7 @@ def test_inspect_statistics_match_numpy_and_json_parses(saved, tmp_path):
 def test_inspect_out_streams_captures_and_never_overwrites(saved, tmp_path):
     _, path, x = saved
     out = tmp_path / "out"
-    args = ("inspect", path, "--data", tmp_path / "x.npy", "--reduce", "mean,hist",
-            "--out", out)
+    args = ("inspect", path, "--data", tmp_path / "x.npy", "--out", out)
     assert run(*args).returncode == 0
     assert (out / "captures" / "index.json").exists() and (out / "histograms.png").exists()
     again = run(*args)

@@ -181,10 +181,14 @@ def run_inspect(args):
             report.write_csv(os.path.join(args.out, "statistics.csv"), values)
             with open(os.path.join(args.out, "summary.txt"), "w") as f:
                 f.write(tree + "\n")
-            if "hist" in stats_names:
-                edges = {k: stats.hist_edges(k) for k in values if k.endswith("/hist")}
-                report.plot_histograms(values, edges, os.path.join(args.out, "histograms.png"),
-                                       title="Activation histograms")
+            hists = stats
+            if "hist" not in stats_names:  # the plot needs histograms: one more pass
+                with cs.capture(model, args.select, kinds=kinds, reduce="hist") as hists:
+                    model.predict(data, batch_size=args.batch_size, verbose=0)
+            counts = {k: hists[k] for k in hists if k.endswith("/hist")}
+            edges = {k: hists.hist_edges(k) for k in counts}
+            report.plot_histograms(counts, edges, os.path.join(args.out, "histograms.png"),
+                                   title="Histograms over the whole data")
     except ValueError as error:
         raise InputError(_first_line(str(error))) from None
     if args.json:

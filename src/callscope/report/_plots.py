@@ -74,8 +74,10 @@ def plot_histograms(stats: Mapping[str, np.ndarray], edges: Mapping[str, np.ndar
         counts = counts if counts.ndim == 2 else counts[None]
         e = edges[key]
         width = np.diff(e)
-        for row, label, alpha in ((counts[0], "first step", 0.5), (counts[-1], "last step", 0.5)):
-            ax.bar(e[:-1], row / max(row.sum(), 1), width=width, align="edge", alpha=alpha,
+        shown = ((counts[0], "first step"), (counts[-1], "last step")) if len(counts) > 1 \
+            else ((counts[0], "all data"),)
+        for row, label in shown:
+            ax.bar(e[:-1], row / max(row.sum(), 1), width=width, align="edge", alpha=0.5,
                    label=label)
         ax.set_title(key.rsplit(":", 1)[0], fontsize=9)
         ax.set_xlabel("activation value")
