@@ -16,9 +16,9 @@ Example:
 
 from callscope._capture import Capture as Capture
 from callscope._capture import capture as capture
-from callscope._capture import collecting as collecting
-from callscope._capture import emit as emit
-from callscope._capture import sow as sow
+from callscope._collector import collecting as collecting
+from callscope._collector import emit as emit
+from callscope._collector import sow as sow
 from callscope._context import context as context
 from callscope._context import current as current
 from callscope._mixin import ContextMixin as ContextMixin

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 
 import keras
 
-from callscope import _capture
+from callscope import _collector
 
 _BACKEND = keras.backend.backend()
 
@@ -68,7 +68,7 @@ def intermediate_grads(
         select = (select,)
     elif isinstance(select, list):
         select = tuple(select)
-    spec = _capture.Spec(select, ("output", "grad"), None, 1, None)
+    spec = _collector.Spec(select, ("output", "grad"), None, 1, None)
 
     def split(result):
         return (result[0], result[1]) if isinstance(result, tuple) else (result, None)
@@ -83,7 +83,7 @@ def intermediate_grads(
                 out[f"{point}@{i}:{kind}" if len(values) > 1 else f"{point}:{kind}"] = value
         return out
 
-    with _capture.wrapped_layers(model, (spec,)):
+    with _collector.wrapped_layers(model, (spec,)):
         return _intermediate_grads(spec, loss_fn, args, split, named)
 
 
@@ -93,7 +93,7 @@ def _intermediate_grads(spec, loss_fn, args, split, named):
         import jax.numpy as jnp
 
         def sources(*a):
-            with _capture.collecting_for((spec,)) as c:
+            with _collector.collecting_for((spec,)) as c:
                 c.manual = True
                 loss_fn(*a)
                 return dict(c.grad_source_list())
@@ -102,19 +102,19 @@ def _intermediate_grads(spec, loss_fn, args, split, named):
         zeros = {name: jnp.zeros(s.shape, s.dtype) for name, s in shapes.items()}
 
         def forward(perturbations):
-            with _capture.collecting_for((spec,)) as c:
+            with _collector.collecting_for((spec,)) as c:
                 c.manual = True
                 c.perturbations = perturbations
                 loss, aux = split(loss_fn(*args))
                 return loss, (aux, c.records)
 
         (loss, (aux, records)), grads = jax.value_and_grad(forward, has_aux=True)(zeros)
-        collector = _capture.Collector((spec,))
+        collector = _collector.Collector((spec,))
         collector.add_grads(grads)
         return IntermediateGrads(loss, aux, named(collector, collector.records, "grad"),
                                  named(collector, records, "output"))
 
-    with _capture.collecting_for((spec,)) as collector:
+    with _collector.collecting_for((spec,)) as collector:
         collector.manual = True
         if _BACKEND == "tensorflow":
             import tensorflow as tf

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import inspect
 import threading
 import warnings
@@ -28,7 +27,8 @@ from typing import Any
 import keras
 import numpy as np
 
-from callscope import _capture, _context, _keras_compat, _steps
+from callscope import _collector, _context, _keras_compat, _steps
+from callscope._capturing import CAPTURE, PATCH, CaptureMixin, first_batch_of, patches_of, specs_of
 
 DEFAULT_CACHE_SIZE = 8
 _KINDS = ("train", "test", "predict")
@@ -41,8 +41,6 @@ _ENTRY_KINDS = {
     "predict_on_batch": ("predict",),
 }
 _DYNAMIC = "<dynamic>"  # stands for a dynamic value in a key
-_CAPTURE = "<capture>"  # key entry holding the specs of the active captures
-_PATCH = "<patch>"  # key entry holding the active patches, (point, fn) pairs
 _MISSING = object()
 
 
@@ -50,24 +48,12 @@ class _KeyEntry:
     """The compiled functions and step closures of one key."""
 
     def __init__(self, model: Any, key: tuple, values: Mapping[str, Any]):
-        specs, patches = _specs_of(key), _patches_of(key)
+        specs, patches = specs_of(key), patches_of(key)
         self.functions: dict[str, Any] = dict.fromkeys(_KINDS)
         self.steps = (
             {kind: _step_closure(model, kind, values, specs, patches) for kind in _KINDS}
             if key else {}
         )
-
-
-def _marked(key: tuple, mark: str) -> tuple:
-    return next((item[1] for item in key if item[0] == mark), ())
-
-
-def _specs_of(key: tuple) -> tuple:
-    return _marked(key, _CAPTURE)
-
-
-def _patches_of(key: tuple) -> tuple:
-    return _marked(key, _PATCH)
 
 
 def _step_closure(model, kind, values, specs, patches=()):
@@ -81,12 +67,12 @@ def _step_closure(model, kind, values, specs, patches=()):
     step = getattr(type(model), f"{kind}_step")
 
     def scoped_step(*args, **kwargs):
-        with _context.pushed(values), _capture.patching(patches) as active:
+        with _context.pushed(values), _collector.patching(patches) as active:
             if not specs:
                 result = step(model, *args, **kwargs)
                 model._cs.patch_hits.update(active.hits if active else ())
                 return result
-            with _capture.collecting_for(specs) as collector:
+            with _collector.collecting_for(specs) as collector:
                 if collector.wants_grads and kind != "predict":
                     result = _steps.step_with_grads(model, kind, step, args, kwargs, collector)
                 else:
@@ -125,7 +111,7 @@ class _State:
         return [v for v in self.dynamic.values() if v is not None]
 
 
-class ContextMixin(_keras_compat.LossHook):
+class ContextMixin(CaptureMixin, _keras_compat.LossHook):
     """Adds context arguments to a Keras model. Used through `cs.Model`,
     `cs.Sequential` and `cs.enable`.
 
@@ -312,9 +298,9 @@ class ContextMixin(_keras_compat.LossHook):
             try:
                 with self._cs_capturing(captures, patches, first_batch=first_batch) as specs:
                     if specs:
-                        key = (*key, (_CAPTURE, specs))
+                        key = (*key, (CAPTURE, specs))
                     if patches:
-                        key = (*key, (_PATCH, patches))
+                        key = (*key, (PATCH, patches))
                     previous = state.installed
                     swapped = key != previous
                     if swapped:
@@ -332,45 +318,6 @@ class ContextMixin(_keras_compat.LossHook):
             finally:
                 state.running.pop()
                 state.sinks = sinks
-
-    @contextlib.contextmanager
-    def _cs_capturing(self, captures, patches=(), first_batch=None):
-        """Wraps the layers and settles each capture's spec for the run."""
-        if not captures and not patches:
-            yield ()
-            return
-        if not self.built and first_batch is not None:
-            self(first_batch, training=False)  # build: layer paths are set on build
-        specs = tuple(c.spec for c in captures)
-        with _capture.wrapped_layers(self, specs, everything=bool(patches)):
-            if any(s.stats and "hist" in s.stats and not s.hist_range and not s.ranges
-                   for s in specs):
-                self._cs_hist_ranges(captures, first_batch)
-                specs = tuple(c.spec for c in captures)
-            yield specs
-
-    def _cs_hist_ranges(self, captures, first_batch):
-        """Fixes histogram ranges from an eager pass over the first batch."""
-        if first_batch is None:
-            raise ValueError(
-                "cs.capture(reduce=('hist', ...)) takes its histogram range from the "
-                "first batch only for array inputs. For a dataset or generator, pass "
-                "`hist_range=(lo, hi)`. Received: hist_range=None"
-            )
-        probe = tuple(dataclasses.replace(c.spec, stats=("min", "max"), hist_range=(0.0, 1.0))
-                      for c in captures)
-        with _capture.collecting_for(probe) as collector:
-            self(first_batch, training=False)
-            found = collector.finalize()
-        for index, capture in enumerate(captures):
-            ranges = []
-            for name, part in found.items():
-                i, key = name.split("|", 1)
-                if int(i) == index:
-                    lo = float(_keras_compat_to_float(part["min"]))
-                    hi = float(_keras_compat_to_float(part["max"]))
-                    ranges.append((key, lo, hi if hi > lo else lo + 1.0))
-            capture.spec = dataclasses.replace(capture.spec, ranges=tuple(sorted(ranges)))
 
     def _cs_entry_for(self, key: tuple, values: Mapping[str, Any]) -> _KeyEntry:
         state = self._cs
@@ -430,7 +377,7 @@ class ContextMixin(_keras_compat.LossHook):
     def _cs_run(self, method: str, args: tuple, kwargs: dict) -> Any:
         allowed = _keras_method_parameters(type(self), method)
         given = self._cs_split(method, kwargs, allowed)
-        first_batch = _first_batch(args, kwargs) if self._cs.captures else None
+        first_batch = first_batch_of(args, kwargs) if self._cs.captures else None
         logging = next((c for c in reversed(self._cs.captures) if c.log), None)
         if method == "fit" and logging is not None:
             from callscope._logger import EpochStatistics
@@ -443,70 +390,6 @@ class ContextMixin(_keras_compat.LossHook):
                 return getattr(super(), method)(*args, **kwargs)
         finally:
             self.__dict__.pop("_callscope_fit_callbacks", None)
-
-    # ------------------------------------------------------------------
-    # Capture plumbing (see _capture.py and _steps.py)
-    # ------------------------------------------------------------------
-    def _cs_patch_items(self) -> tuple:
-        merged = {}
-        for patch in self._cs.patches:
-            merged.update(patch)  # the inner scope wins
-        return tuple(merged.items())
-
-    def _cs_push_capture(self, capture) -> None:
-        with self._cs.lock:
-            self._cs.captures.append(capture)
-
-    def _cs_pop_capture(self, capture) -> None:
-        with self._cs.lock:
-            self._cs.captures.remove(capture)
-
-    def _cs_known_points(self) -> list[str]:
-        layers = [_capture.point_of(layer) for layer in _keras_compat.flatten_layers(self)
-                  if not isinstance(layer, keras.layers.InputLayer)]
-        return list(dict.fromkeys([*layers, *self._cs.seen]))
-
-    def _cs_sink(self, kind: str, sown: Mapping[str, Any]) -> None:
-        state = self._cs
-        if kind == "test" and "fit" in state.running:
-            return  # validation inside fit: fit captures its training steps only
-        for name, value in sown.items():
-            index, key = name.split("|", 1)
-            state.sinks[int(index)]._add(kind, key, value)
-
-    def _cs_wrap_function(self, kind: str):
-        function = getattr(self, f"{kind}_function", None)
-        if function is None or getattr(function, "_callscope_popper", False):
-            return function
-        if not _specs_of(self._cs.installed):
-            return function
-        wrapped = _steps.popper(self, kind, function)
-        self.__dict__[f"{kind}_function"] = wrapped  # no Keras attribute tracking
-        return wrapped
-
-    def make_train_function(self, force=False):
-        super().make_train_function(force=force)
-        return self._cs_wrap_function("train")
-
-    def make_test_function(self, force=False):
-        super().make_test_function(force=force)
-        return self._cs_wrap_function("test")
-
-    def make_predict_function(self, force=False):
-        super().make_predict_function(force=force)
-        return self._cs_wrap_function("predict")
-
-    def _cs_loss_hook(self, loss):
-        return _steps.loss_hook(loss)  # see _keras_compat.LossHook
-
-    def compute_loss_and_updates(self, *args, **kwargs):
-        # JAX only (its trainer's forward for grad): carry sown values out of the
-        # differentiated function through the aux output (see _steps.py).
-        if _capture.active_collector() is None:
-            return super().compute_loss_and_updates(*args, **kwargs)
-        with _capture.collecting() as sown:
-            loss, aux = super().compute_loss_and_updates(*args, **kwargs)
-        return loss, _steps.smuggle(aux, sown.values)
 
     def fit(self, *args, **kwargs):
         return self._cs_run("fit", args, kwargs)
@@ -548,7 +431,7 @@ class ContextMixin(_keras_compat.LossHook):
         state = self._cs
         eager_capture = (
             (state.captures or state.patches) and not state.running
-            and _capture.active_collector() is None and _capture.active_patches() is None
+            and _collector.active_collector() is None and _collector.active_patches() is None
             and not any(isinstance(a, keras.KerasTensor) for a in keras.tree.flatten(args))
         )
         if eager_capture:
@@ -562,34 +445,6 @@ class ContextMixin(_keras_compat.LossHook):
         with _context.pushed(pushed):
             kwargs.update({n: _delivered(v) for n, v in values.items()})
             return super().__call__(*args, **kwargs)
-
-    def _cs_call_capturing(self, *args, **kwargs):
-        """A direct `model(x)` inside a capture scope: collected eagerly."""
-        state = self._cs
-        captures = tuple(state.captures)
-        patches = self._cs_patch_items()
-        if captures:
-            _steps.check_capture_supported(self, "__call__", tuple(c.spec for c in captures))
-        sinks, state.sinks = state.sinks, captures
-        state.running.append("__call__")
-        try:
-            first = args[0] if args else None
-            with self._cs_capturing(captures, patches, first_batch=first) as specs:
-                with _capture.collecting_for(specs) as collector, \
-                        _capture.patching(patches) as active:
-                    outputs = self(*args, **kwargs)
-                    sown = collector.finalize()
-                state.patch_hits.update(active.hits if active else ())
-                state.seen.update(dict.fromkeys(p for _, p, _, _, _ in collector.tree))
-            state.running.pop()
-            self._cs_sink("call", sown)
-            for capture in captures:
-                capture._calls += 1
-            return outputs
-        finally:
-            if state.running and state.running[-1] == "__call__":
-                state.running.pop()
-            state.sinks = sinks
 
     def stateless_call(
         self, trainable_variables, non_trainable_variables, *args, return_losses=False, **kwargs
@@ -680,19 +535,3 @@ def _direct_call_parameters(model) -> set[str] | None:
         return None
     params = inspect.signature(type(model).call).parameters
     return {n for n, p in params.items() if p.kind is not p.VAR_KEYWORD and n != "self"}
-
-
-def _first_batch(args, kwargs):
-    """The first batch of array inputs (for histogram ranges), else None."""
-    x = args[0] if args else kwargs.get("x")
-    if x is None:
-        return None
-    leaves = keras.tree.flatten(x)
-    if not leaves or not all(isinstance(v, np.ndarray) or keras.ops.is_tensor(v) for v in leaves):
-        return None
-    size = kwargs.get("batch_size") or 32
-    return keras.tree.map_structure(lambda v: v[:size], x)
-
-
-def _keras_compat_to_float(x):
-    return np.asarray(keras.ops.convert_to_numpy(x)).reshape(-1)[0]

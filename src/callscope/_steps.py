@@ -25,8 +25,8 @@ import threading
 
 import keras
 
-from callscope import _capture, _keras_compat
-from callscope._capture import OUTPUTS, SOWN
+from callscope import _collector, _keras_compat
+from callscope._collector import OUTPUTS, SOWN
 
 BACKEND = keras.backend.backend()
 _JAX = BACKEND == "jax"
@@ -134,7 +134,7 @@ def check_capture_supported(model, method, specs=()):
 #   `value_and_grad` as the weights: one forward pass.
 def loss_hook(loss):
     """Called with every loss a step computes; takes intermediate gradients."""
-    collector = _capture.active_collector()
+    collector = _collector.active_collector()
     if collector is None or not collector.wants_grads or collector.manual or loss is None or _JAX:
         return loss
     collector.loss = loss
@@ -219,7 +219,7 @@ def _jax_step_with_grads(model, kind, state, data, collector):
             collector.perturbations = previous
 
     def probe(trainable):
-        with _capture.collecting_for(collector.specs) as inner:
+        with _collector.collecting_for(collector.specs) as inner:
             model.compute_loss_and_updates(
                 trainable, non_trainable, metrics_vars, x, y, sample_weight,
                 training=training, optimizer_variables=optimizer_vars,

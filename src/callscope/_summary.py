@@ -9,17 +9,17 @@ the context arguments each layer receives, and the values it sows.
 
 from __future__ import annotations
 
-from callscope import _capture, _keras_compat
+from callscope import _collector, _keras_compat
 
-_EVERYTHING = _capture.Spec(select=lambda point, layer: True, kinds=("output",), stats=None,
+_EVERYTHING = _collector.Spec(select=lambda point, layer: True, kinds=("output",), stats=None,
                             bins=1, hist_range=None)
 
 
 def _run(model, x):
     if not model.built:
         model(x, training=False)  # build first: layer paths are set on build
-    with _capture.wrapped_layers(model, (_EVERYTHING,), everything=True):
-        with _capture.collecting_for((_EVERYTHING,)) as collector:
+    with _collector.wrapped_layers(model, (_EVERYTHING,), everything=True):
+        with _collector.collecting_for((_EVERYTHING,)) as collector:
             model(x, training=False)
     return collector.tree
 
