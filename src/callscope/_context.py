@@ -44,17 +44,6 @@ def pushed(values: Mapping[str, Any]) -> Iterator[None]:
         _local.scope = previous
 
 
-@contextlib.contextmanager
-def replaced(values: Mapping[str, Any]) -> Iterator[None]:
-    """Replaces the scope by exactly `values` (used inside compiled steps)."""
-    previous = _scope()
-    _local.scope = MappingProxyType(dict(values))
-    try:
-        yield
-    finally:
-        _local.scope = previous
-
-
 def scope_values() -> Mapping[str, Any]:
     """The raw mapping in effect (dynamic names map to their variables)."""
     return _scope()

@@ -21,8 +21,6 @@ state reaches Keras.
 
 from __future__ import annotations
 
-import threading
-
 import keras
 
 from callscope import _collector, _keras_compat
@@ -30,7 +28,6 @@ from callscope._collector import OUTPUTS, SOWN
 
 BACKEND = keras.backend.backend()
 _JAX = BACKEND == "jax"
-_local = threading.local()
 _SMUGGLED = "__callscope_smuggled__"
 
 
