@@ -66,7 +66,9 @@ def main():
         loss, acc = model.evaluate(x, y, batch_size=64, debugging=True, verbose=0)
         logits = model.predict(x[:32], debugging=True, verbose=0)
     print(f"evaluate: loss={loss:.3f} accuracy={acc:.3f}; predict returned {logits.shape}")
-    print("captured:", {k: v.shape for k, v in cap.items()})
+    # Each call records apart: `cap.calls` holds the evaluate and the predict.
+    evaluated, predicted = cap.calls
+    print("captured:", {k: v.shape for k, v in predicted.items()})
 
     # Check against an eager numpy forward pass of the same weights.
     h = x[:32]
@@ -78,9 +80,10 @@ def main():
         expected[f"classifier/{block.name}/pre_act:output"] = pre
         h = np.maximum(pre, 0) * gate
     for key, value in expected.items():
-        # evaluate saw 256 rows, then predict 32: the last 32 rows are predict's
-        np.testing.assert_allclose(cap[key][-32:], value, rtol=1e-4, atol=1e-5)
-        assert cap[key].shape[0] == 256 + 32
+        # evaluate saw 256 rows, predict 32: the first 32 of each are these rows
+        np.testing.assert_allclose(predicted[key], value, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(evaluated[key][:32], value, rtol=1e-4, atol=1e-5)
+        assert evaluated[key].shape[0] == 256
 
     # Without the flag nothing is sown: the capture stays empty and says so.
     try:

@@ -19,8 +19,8 @@ from callscope._capture import capture as capture
 from callscope._collector import collecting as collecting
 from callscope._collector import emit as emit
 from callscope._collector import sow as sow
-from callscope._context import context as context
-from callscope._context import current as current
+from callscope._scope import context as context
+from callscope._scope import current as current
 from callscope._mixin import ContextMixin as ContextMixin
 from callscope._grad import IntermediateGrads as IntermediateGrads
 from callscope._grad import intermediate_grads as intermediate_grads

@@ -20,33 +20,36 @@ import keras
 import numpy as np
 from keras import ops
 
-from callscope import _reduce
+from callscope import _reduce, _scope
 from callscope._collector import _TORCH, KINDS, Spec
 
 # --------------------------------------------------------------------------
-# The public scope and mapping
+# One call's records
 # --------------------------------------------------------------------------
-class Capture(Mapping):
-    """What `cs.capture` yields: a read-only `Mapping[str, numpy.ndarray]`.
+class Call(Mapping):
+    """What one call recorded for one capture: a read-only `Mapping[str, ndarray]`.
 
-    It fills in as calls finish and is complete when the scope exits. Keys are
-    `point:kind`, or `point:kind/stat` with `reduce=`.
+    Attributes:
+        method: `"fit"`, `"evaluate"`, `"predict"`, `"train_on_batch"`,
+            `"test_on_batch"`, `"predict_on_batch"` or `"__call__"`.
+        nested: True for a call made while another call of the same model was
+            running in the same thread: `fit`'s validation, or a callback's
+            `predict`.
     """
 
-    def __init__(self, model, spec: Spec, to: str | os.PathLike | None, log: bool = False):
-        self._model = model
+    def __init__(self, spec: Spec, method: str, nested: bool, directory: str | None):
         self.spec = spec
-        self.log = log
-        self._full: dict[str, list[np.ndarray]] = {}
+        self.method = method
+        self.nested = nested
+        self._full: dict[str, list] = {}
         self._rows: dict[str, list[dict]] = {}
         self._per_step = False
-        self._calls = 0
-        self._dir = os.fspath(to) if to is not None else None
+        self._dir = directory
         self._files: dict[str, dict] = {}
         self._cache: dict[str, np.ndarray] = {}
 
-    # -- filling (called by the model, on the host) --------------------------
-    def _add(self, kind: str, key: str, value: Any) -> None:
+    # -- filling (on the host, by the run) -----------------------------------
+    def add(self, kind: str, key: str, value: Any) -> None:
         # Kept as device arrays until read: converting each batch on arrival would
         # synchronise every step and stall JAX's asynchronous dispatch. Only
         # streaming converts at once, to keep host memory bounded.
@@ -64,11 +67,12 @@ class Capture(Mapping):
     def _stream(self, key: str, array: np.ndarray) -> None:
         entry = self._files.get(key)
         if entry is None:
+            os.makedirs(self._dir, exist_ok=True)
             name = f"{len(self._files):04d}.bin"
             entry = self._files[key] = {
                 "file": name, "dtype": array.dtype.str, "row": list(array.shape[1:]), "rows": 0,
             }
-            open(os.path.join(self._dir, name), "wb").close()
+            open(os.path.join(self._dir, name), "xb").close()  # never truncates a file
         if list(array.shape[1:]) != entry["row"]:
             raise ValueError(
                 f"Captured `{key}` changed shape from (N, {entry['row']}) to {array.shape}; "
@@ -77,11 +81,6 @@ class Capture(Mapping):
         with open(os.path.join(self._dir, entry["file"]), "ab") as f:
             f.write(np.ascontiguousarray(array, dtype=entry["dtype"]).tobytes())
         entry["rows"] += array.shape[0]
-
-    def _write_index(self) -> None:
-        if self._dir is not None:
-            with open(os.path.join(self._dir, "index.json"), "w") as f:
-                json.dump(self._files, f, indent=1)
 
     # -- reading -------------------------------------------------------------
     def _names(self) -> list[str]:
@@ -96,66 +95,166 @@ class Capture(Mapping):
         return len(self._names())
 
     def __getitem__(self, key: str) -> np.ndarray:
-        if key in self._cache:
-            return self._cache[key]
-        if self.spec.stats:
-            base, _, stat = key.rpartition("/")
-            if base not in self._rows or stat not in self.spec.stats:
-                raise KeyError(self._missing(key))
-            rows = self._rows[base] = [
-                {k: _reduce.to_numpy(v) for k, v in r.items()} for r in self._rows[base]
-            ]
-            stacked = {k: np.concatenate([r[k] for r in rows]) for k in rows[0]}
-            value = (_reduce.per_step(stacked, stat) if self._per_step
-                     else _reduce.finalize(_reduce.merge(stacked), stat))
-        elif self._dir is not None:
-            if key not in self._files:
-                raise KeyError(self._missing(key))
-            entry = self._files[key]
-            shape = (entry["rows"], *entry["row"])
-            value = np.memmap(os.path.join(self._dir, entry["file"]), dtype=entry["dtype"],
-                              mode="r", shape=shape)
-        else:
-            if key not in self._full:
-                raise KeyError(self._missing(key))
-            parts = [_reduce.to_numpy(p) for p in self._full[key]]
-            value = parts[0] if len(parts) == 1 else np.concatenate(parts)
-            self._full[key] = [value]
-        self._cache[key] = value
-        return value
+        if key not in self._cache:
+            self._cache[key] = _read([self], key)
+        return self._cache[key]
 
     def hist_edges(self, key: str) -> np.ndarray:
         """The bin edges of a `.../hist` key."""
         base = key.rpartition("/")[0] if key.endswith("/hist") else key
         return _reduce.hist_edges(self.spec.bins, self.spec.range_for(base))
 
-    def _missing(self, key: str) -> str:
-        close = difflib.get_close_matches(key, self._names(), n=3, cutoff=0.3)
-        return f"{key!r} was not captured. Nearest keys: {close or self._names()[:5]}"
+    def __repr__(self) -> str:
+        kind = "nested " if self.nested else ""
+        return f"Call({kind}{self.method}: {len(self)} keys)"
+
+
+def _read(calls: list[Call], key: str) -> np.ndarray:
+    """One key over several calls of one method: batches concatenated, or one
+    exact aggregate (predict, evaluate), or one row per step (fit)."""
+    spec = calls[0].spec
+    if spec.stats:
+        base, _, stat = key.rpartition("/")
+        rows = []
+        for call in calls:
+            if base in call._rows:
+                call._rows[base] = [{k: _reduce.to_numpy(v) for k, v in r.items()}
+                                    for r in call._rows[base]]
+                rows += call._rows[base]
+        if not rows or stat not in spec.stats:
+            raise KeyError(_missing(key, calls))
+        stacked = {k: np.concatenate([r[k] for r in rows]) for k in rows[0]}
+        if calls[0]._per_step:
+            return _reduce.per_step(stacked, stat)
+        return _reduce.finalize(_reduce.merge(stacked), stat)
+    parts = []
+    for call in calls:
+        if call._dir is not None and key in call._files:
+            entry = call._files[key]
+            parts.append(np.memmap(os.path.join(call._dir, entry["file"]), dtype=entry["dtype"],
+                                   mode="r", shape=(entry["rows"], *entry["row"])))
+        elif key in call._full:
+            done = [_reduce.to_numpy(p) for p in call._full[key]]
+            call._full[key] = [done[0] if len(done) == 1 else np.concatenate(done)]
+            parts.append(call._full[key][0])
+    if not parts:
+        raise KeyError(_missing(key, calls))
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def _missing(key: str, calls) -> str:
+    names = list(dict.fromkeys(n for c in calls for n in c._names()))
+    close = difflib.get_close_matches(key, names, n=3, cutoff=0.3)
+    return f"{key!r} was not captured. Nearest keys: {close or names[:5]}"
+
+
+MIXED_CALLS = (
+    "This capture holds calls of different kinds ({methods}), and their rows are "
+    "never merged. Read each call apart: `cap.calls` lists them in order, each a "
+    "mapping with `.method` (e.g. `[c for c in cap.calls if c.method == 'predict']`), "
+    "or open one capture per kind of call. Received: {n} top-level calls"
+)
+
+
+# --------------------------------------------------------------------------
+# The public scope and mapping
+# --------------------------------------------------------------------------
+class Capture(Mapping):
+    """What `cs.capture` yields: a read-only `Mapping[str, numpy.ndarray]`.
+
+    It fills in as calls finish and is complete when the scope exits. Keys are
+    `point:kind`, or `point:kind/stat` with `reduce=`.
+
+    Each call made in the scope records apart (`cap.calls`). The mapping itself
+    reads the top-level calls, which must all be of one method (several `predict`s
+    concatenate; several `fit`s give one row per step); calls of different
+    methods raise an error that says how to read each. Calls nested in another
+    call of the model (`fit`'s validation, a callback's `predict`) are only in
+    `cap.calls`, with `nested=True`, and never mix into the outer call's rows.
+    """
+
+    def __init__(self, model, spec: Spec, to: str | os.PathLike | None, log: bool = False):
+        self.model = model
+        self.spec = spec
+        self.log = log
+        self.calls: list[Call] = []
+        self._dir = os.fspath(to) if to is not None else None
+        self._token = None
+
+    def _begin(self, method: str, nested: bool) -> Call:
+        """A new call's sink (called by the model when a call starts)."""
+        directory = (None if self._dir is None
+                     else os.path.join(self._dir, f"call_{len(self.calls):03d}"))
+        call = Call(self.spec, method, nested, directory)
+        self.calls.append(call)
+        return call
+
+    def _top(self) -> list[Call]:
+        top = [c for c in self.calls if not c.nested and len(c)]
+        methods = list(dict.fromkeys(c.method for c in top))
+        if len(methods) > 1:
+            raise ValueError(MIXED_CALLS.format(methods=", ".join(methods), n=len(top)))
+        return top
+
+    def _names(self) -> list[str]:
+        return list(dict.fromkeys(n for c in self._top() for n in c._names()))
+
+    def __iter__(self):
+        return iter(self._names())
+
+    def __len__(self) -> int:
+        return len(self._names())
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        top = self._top()
+        if not top:
+            raise KeyError(f"{key!r} was not captured: no call in this capture recorded "
+                           "anything yet")
+        return _read(top, key)
+
+    def hist_edges(self, key: str) -> np.ndarray:
+        """The bin edges of a `.../hist` key."""
+        base = key.rpartition("/")[0] if key.endswith("/hist") else key
+        return _reduce.hist_edges(self.spec.bins, self.spec.range_for(base))
 
     def __repr__(self) -> str:
-        return f"Capture({len(self)} keys: {self._names()[:4]}{'...' if len(self) > 4 else ''})"
+        try:
+            names = self._names()
+        except ValueError:
+            return f"Capture({len(self.calls)} calls of different kinds)"
+        return f"Capture({len(names)} keys: {names[:4]}{'...' if len(names) > 4 else ''})"
 
     # -- the scope -----------------------------------------------------------
     def __enter__(self) -> Capture:
+        if self._token is not None:
+            raise RuntimeError("A `cs.capture` scope can be entered once. Open a new one.")
         if self._dir is not None:
             os.makedirs(self._dir, exist_ok=True)
-            if os.path.exists(os.path.join(self._dir, "index.json")):
+            if os.listdir(self._dir):
                 raise FileExistsError(
-                    f"`{self._dir}` already holds a capture (index.json). Choose another "
-                    f"directory or remove it first. Received: to={self._dir!r}"
+                    f"`{self._dir}` already holds a capture or other files: cs.capture(to=...) never "
+                    f"writes into a directory that holds files. Choose a new or empty directory. "
+                    f"Received: to={self._dir!r}"
                 )
-        self._model._cs_push_capture(self)
+        self._token = _scope.enter_capture(self)
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        self._model._cs_pop_capture(self)
+        _scope.exit_capture(self._token)
         self._write_index()
-        if exc_type is None and self._calls and not len(self):
+        if exc_type is None and self.calls and not any(len(c) for c in self.calls):
             raise ValueError(self._nothing_matched())
 
+    def _write_index(self) -> None:
+        if self._dir is not None:
+            index = {"calls": [{"method": c.method, "nested": c.nested,
+                                "dir": os.path.basename(c._dir), "files": c._files}
+                               for c in self.calls]}
+            with open(os.path.join(self._dir, "index.json"), "w") as f:
+                json.dump(index, f, indent=1)
+
     def _nothing_matched(self) -> str:
-        points = self._model._cs_known_points()
+        points = self.model._cs_known_points()
         wanted = self.spec.select
         if callable(wanted):
             hint = "the `select` callable returned False for every point"

@@ -1,60 +1,40 @@
-"""`CaptureMixin`: how a model's calls run with captures and patches open.
+"""`CaptureMixin`: the model side of captures and patches.
 
-The part of the model that `cs.capture` and `cs.patch` need: which layers to wrap
-for a run, the histogram ranges from the first batch, where captured values go on
-the host (`_cs_sink`), the popper around each made `*_function`, the JAX
+What a run needs before its first step when captures or patches are open: the
+model built (layer paths are set on build), the recording wrappers installed (once
+per model, `_collector.install_wrappers`), and histogram ranges fixed from the
+first batch. Also eager capture of a direct `model(x)`, the JAX
 `compute_loss_and_updates` hook that carries sown values out of `value_and_grad`,
-and eager capture of a direct `model(x)`. `ContextMixin` builds on it; its per-model
-state (`self._cs`) and key table live in `_mixin.py`.
+and the list of known points for error messages. `ContextMixin` builds on it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Mapping
-from typing import Any
 
 import keras
 import numpy as np
 
-from callscope import _collector, _keras_compat, _steps
+from callscope import _collector, _keras_compat, _scope, _steps
+from callscope._run import Run
 
 CAPTURE = "<capture>"  # key entry holding the specs of the active captures
 PATCH = "<patch>"  # key entry holding the active patches, (point, fn) pairs
 
 
-def marked(key: tuple, mark: str) -> tuple:
-    return next((item[1] for item in key if item[0] == mark), ())
-
-
-def specs_of(key: tuple) -> tuple:
-    return marked(key, CAPTURE)
-
-
-def patches_of(key: tuple) -> tuple:
-    return marked(key, PATCH)
-
-
-
 class CaptureMixin:
     """Capture and patch plumbing of `ContextMixin` (see the module docstring)."""
 
-    @contextlib.contextmanager
-    def _cs_capturing(self, captures, patches=(), first_batch=None):
-        """Wraps the layers and settles each capture's spec for the run."""
-        if not captures and not patches:
-            yield ()
-            return
+    def _cs_prepare_capture(self, captures, first_batch) -> tuple:
+        """Builds the model, installs the wrappers and settles each capture's spec."""
         if not self.built and first_batch is not None:
-            self(first_batch, training=False)  # build: layer paths are set on build
-        specs = tuple(c.spec for c in captures)
-        with _collector.wrapped_layers(self, specs, everything=bool(patches)):
-            if any(s.stats and "hist" in s.stats and not s.hist_range and not s.ranges
-                   for s in specs):
-                self._cs_hist_ranges(captures, first_batch)
-                specs = tuple(c.spec for c in captures)
-            yield specs
+            with _collector.collecting_for(()):  # a plain call: builds, records nothing
+                self(first_batch, training=False)  # layer paths are set on build
+        _collector.install_wrappers(self)
+        if any(c.spec.stats and "hist" in c.spec.stats and not c.spec.hist_range
+               and not c.spec.ranges for c in captures):
+            self._cs_hist_ranges(captures, first_batch)
+        return tuple(c.spec for c in captures)
 
     def _cs_hist_ranges(self, captures, first_batch):
         """Fixes histogram ranges from an eager pass over the first batch."""
@@ -79,55 +59,10 @@ class CaptureMixin:
                     ranges.append((key, lo, hi if hi > lo else lo + 1.0))
             capture.spec = dataclasses.replace(capture.spec, ranges=tuple(sorted(ranges)))
 
-
-    def _cs_patch_items(self) -> tuple:
-        merged = {}
-        for patch in self._cs.patches:
-            merged.update(patch)  # the inner scope wins
-        return tuple(merged.items())
-
-    def _cs_push_capture(self, capture) -> None:
-        with self._cs.lock:
-            self._cs.captures.append(capture)
-
-    def _cs_pop_capture(self, capture) -> None:
-        with self._cs.lock:
-            self._cs.captures.remove(capture)
-
     def _cs_known_points(self) -> list[str]:
         layers = [_collector.point_of(layer) for layer in _keras_compat.flatten_layers(self)
                   if not isinstance(layer, keras.layers.InputLayer)]
         return list(dict.fromkeys([*layers, *self._cs.seen]))
-
-    def _cs_sink(self, kind: str, sown: Mapping[str, Any]) -> None:
-        state = self._cs
-        if kind == "test" and "fit" in state.running:
-            return  # validation inside fit: fit captures its training steps only
-        for name, value in sown.items():
-            index, key = name.split("|", 1)
-            state.sinks[int(index)]._add(kind, key, value)
-
-    def _cs_wrap_function(self, kind: str):
-        function = getattr(self, f"{kind}_function", None)
-        if function is None or getattr(function, "_callscope_popper", False):
-            return function
-        if not specs_of(self._cs.installed):
-            return function
-        wrapped = _steps.popper(self, kind, function)
-        self.__dict__[f"{kind}_function"] = wrapped  # no Keras attribute tracking
-        return wrapped
-
-    def make_train_function(self, force=False):
-        super().make_train_function(force=force)
-        return self._cs_wrap_function("train")
-
-    def make_test_function(self, force=False):
-        super().make_test_function(force=force)
-        return self._cs_wrap_function("test")
-
-    def make_predict_function(self, force=False):
-        super().make_predict_function(force=force)
-        return self._cs_wrap_function("predict")
 
     def _cs_loss_hook(self, loss):
         return _steps.loss_hook(loss)  # see _keras_compat.LossHook
@@ -141,35 +76,26 @@ class CaptureMixin:
             loss, aux = super().compute_loss_and_updates(*args, **kwargs)
         return loss, _steps.smuggle(aux, sown.values)
 
-
-    def _cs_call_capturing(self, *args, **kwargs):
-        """A direct `model(x)` inside a capture scope: collected eagerly."""
-        state = self._cs
-        captures = tuple(state.captures)
-        patches = self._cs_patch_items()
+    def _cs_call_capturing(self, captures, patches, args, kwargs):
+        """A direct, eager `model(x)` inside a capture or patch scope: one run."""
         if captures:
             _steps.check_capture_supported(self, "__call__", tuple(c.spec for c in captures))
-        sinks, state.sinks = state.sinks, captures
-        state.running.append("__call__")
-        try:
-            first = args[0] if args else None
-            with self._cs_capturing(captures, patches, first_batch=first) as specs:
-                with _collector.collecting_for(specs) as collector, \
-                        _collector.patching(patches) as active:
-                    outputs = self(*args, **kwargs)
-                    sown = collector.finalize()
-                state.patch_hits.update(active.hits if active else ())
-                state.seen.update(dict.fromkeys(p for _, p, _, _, _ in collector.tree))
-            state.running.pop()
-            self._cs_sink("call", sown)
-            for capture in captures:
-                capture._calls += 1
-            return outputs
-        finally:
-            if state.running and state.running[-1] == "__call__":
-                state.running.pop()
-            state.sinks = sinks
-
+        first = args[0] if args else None
+        specs = self._cs_prepare_capture(captures, first) if captures else ()
+        if patches:
+            _collector.install_wrappers(self)
+        nested = _scope.run_of(self) is not None
+        calls = tuple(c._begin("__call__", nested) for c in captures)
+        run = Run(self, "__call__", self._cs_table().default, (), calls, patches, nested)
+        with _scope.running(run):
+            with _collector.collecting_for(specs) as collector, \
+                    _collector.patching(patches) as active:
+                outputs = self(*args, **kwargs)
+                sown = collector.finalize()
+        self._cs.patch_hits.update(active.hits if active else ())
+        self._cs.seen.update(dict.fromkeys(p for _, p, _, _, _ in collector.tree))
+        run.sink("call", sown)
+        return outputs
 
 
 def first_batch_of(args, kwargs):

@@ -12,8 +12,9 @@ lookup and the compiled graph has no extra outputs.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import fnmatch
-import threading
+import inspect
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +27,9 @@ from callscope import _keras_compat, _reduce
 SOWN = "__callscope_sown__"
 OUTPUTS = "__callscope_outputs__"
 KINDS = ("output", "input", "grad")
-_local = threading.local()
+_COLLECTOR: contextvars.ContextVar = contextvars.ContextVar("callscope_collector", default=None)
+_ACTIVE_PATCHES: contextvars.ContextVar = contextvars.ContextVar("callscope_patching",
+                                                                 default=None)
 _TORCH = keras.backend.backend() == "torch"
 
 # --------------------------------------------------------------------------
@@ -145,18 +148,18 @@ def _differentiable_source():
 
 
 def active_collector() -> Collector | None:
-    return getattr(_local, "collector", None)
+    return _COLLECTOR.get()
 
 
 @contextlib.contextmanager
 def collecting_for(specs: tuple[Spec, ...]) -> Iterator[Collector]:
-    """Opens a collector for `specs` on this thread (inside a step, or eagerly)."""
-    previous = active_collector()
-    collector = _local.collector = Collector(specs)
+    """Opens a collector for `specs` in this context (inside a step, or eagerly)."""
+    collector = Collector(specs)
+    token = _COLLECTOR.set(collector)
     try:
         yield collector
     finally:
-        _local.collector = previous
+        _COLLECTOR.reset(token)
 
 
 class Collected:
@@ -262,45 +265,40 @@ def _is_input_layer(layer) -> bool:
     return isinstance(layer, keras.layers.InputLayer)
 
 
-@contextlib.contextmanager
-def wrapped_layers(model, specs: tuple[Spec, ...], everything: bool = False) -> Iterator[None]:
-    """Puts a recording wrapper in `layer.__dict__["call"]` of each selected layer.
+def install_wrappers(model) -> None:
+    """Puts a recording wrapper in `layer.__dict__["call"]` of every layer, once.
 
     `Operation.__call__` calls `self.call`, so an instance attribute shadows the
-    method for this run only; the finally block removes every wrapper.
+    method. The wrapper stays: it consults the collector and patches of the run in
+    effect, and costs one context lookup when there are none. Installing again is
+    a no-op for wrapped layers, so a nested call never wraps twice. The wrapper
+    holds the layer's bound `call` (deep copies rebind it) and exposes its
+    signature, so Keras code that inspects `layer.call` sees the real one.
     """
-    installed = []
-    try:
-        for layer in _keras_compat.flatten_layers(model):
-            if _is_input_layer(layer):
-                continue
-            if not everything and not any(spec.wants_layers() for spec in specs):
-                break
-            # A built layer's `path` is known: skip it when no spec can select it.
-            # An unbuilt one is wrapped, and the selection applies when it records.
-            path = getattr(layer, "path", None)
-            if not everything and path is not None and not any(
-                spec.wants_layers() and spec.selects(path, layer, False) for spec in specs
-            ):
-                continue
-            previous = layer.__dict__.get("call", None)
-            layer.__dict__["call"] = _recording_call(layer, layer.call)
-            installed.append((layer, previous))
-        yield
-    finally:
-        for layer, previous in reversed(installed):
-            if previous is None:
-                layer.__dict__.pop("call", None)
-            else:
-                layer.__dict__["call"] = previous
+    for layer in _keras_compat.flatten_layers(model):
+        if _is_input_layer(layer) or isinstance(layer.__dict__.get("call"), RecordingCall):
+            continue
+        _keras_compat.set_instance_call(layer, RecordingCall(layer, layer.call))
 
 
-def _recording_call(layer, original):
-    def call(*args, **kwargs):
-        collector = active_collector()
-        patches = active_patches()
+class RecordingCall:
+    """The recording wrapper of one layer's `call` (see `install_wrappers`)."""
+
+    def __init__(self, layer, original):
+        self.layer = layer
+        self.__wrapped__ = original
+
+    @property
+    def __signature__(self):
+        return inspect.signature(self.__wrapped__)
+
+    def __call__(self, *args, **kwargs):
+        original = self.__wrapped__
+        collector = _COLLECTOR.get()
+        patches = _ACTIVE_PATCHES.get()
         if (collector is None and patches is None) or _symbolic(args):
             return original(*args, **kwargs)
+        layer = self.layer
         point = point_of(layer)  # read per call: `path` is set when the layer builds
         if collector is None:
             return patches.apply(point, original(*args, **kwargs))
@@ -314,8 +312,6 @@ def _recording_call(layer, original):
         if patches is not None:
             outputs = patches.apply(point, outputs)
         return _record_tree(collector, point, layer, "output", outputs)
-
-    return call
 
 
 def _symbolic(args) -> bool:
@@ -354,14 +350,14 @@ class Patches:
 
 
 def active_patches() -> Patches | None:
-    return getattr(_local, "patches", None)
+    return _ACTIVE_PATCHES.get()
 
 
 @contextlib.contextmanager
 def patching(functions: tuple) -> Iterator[Patches | None]:
-    previous = active_patches()
-    _local.patches = Patches(functions) if functions else None
+    patches = Patches(functions) if functions else None
+    token = _ACTIVE_PATCHES.set(patches)
     try:
-        yield _local.patches
+        yield patches
     finally:
-        _local.patches = previous
+        _ACTIVE_PATCHES.reset(token)

@@ -83,8 +83,8 @@ def intermediate_grads(
                 out[f"{point}@{i}:{kind}" if len(values) > 1 else f"{point}:{kind}"] = value
         return out
 
-    with _collector.wrapped_layers(model, (spec,)):
-        return _intermediate_grads(spec, loss_fn, args, split, named)
+    _collector.install_wrappers(model)
+    return _intermediate_grads(spec, loss_fn, args, split, named)
 
 
 def _intermediate_grads(spec, loss_fn, args, split, named):

@@ -78,45 +78,74 @@ def call_signature_parameters(layer):
 
 
 # --------------------------------------------------------------------------
-# Variables owned by the model but kept out of its saved weights
-# (keras 3.15.1: Layer._tracker, Layer._non_trainable_variables)
+# Instance attributes callscope writes without Keras's attribute tracking
+# (keras 3.15.1: Layer.__setattr__ tracks every value, at a cost of ms per call,
+# and would try to track our callables)
 # --------------------------------------------------------------------------
-def track_hidden_variable(model, variable):
-    """Adds a non-trainable variable to `model`'s own variables.
-
-    JAX only threads variables listed by the model through its compiled steps
-    (`_get_jax_state`); an untracked variable is baked in as a constant. The
-    tracker is locked after `build`, hence the unlock. Checked against 3.15.1.
-    """
-    tracker = model._tracker
-    was_locked = tracker.locked
-    tracker.unlock()
-    try:
-        tracker.add_to_store("non_trainable_variables", variable)
-    finally:
-        if was_locked:
-            tracker.lock()
+def set_instance_attribute(obj, name, value):
+    """Writes `obj.__dict__[name]`, bypassing `Layer.__setattr__`. Checked 3.15.1."""
+    obj.__dict__[name] = value
 
 
-@contextlib.contextmanager
-def without_variables(model, variables):
-    """Temporarily removes `variables` from `model`'s own variable list.
+def set_instance_call(layer, wrapper):
+    """Shadows `layer.call` for `Operation.__call__` (keras 3.15.1:
+    ops/operation.py, `return self.call(*args, **kwargs)`)."""
+    layer.__dict__["call"] = wrapper
 
-    Used around `save_own_variables`/`load_own_variables` so that callscope's
-    dynamic-context variables never reach a `.keras` file: a model saved after
-    `cs.enable` must load back into the plain Keras class. Checked against 3.15.1.
-    """
-    own = model._non_trainable_variables
-    kept = [v for v in own if all(v is not h for h in variables)]
-    removed = len(own) != len(kept)
-    if removed:
-        saved = list(own)
-        own[:] = kept
-    try:
-        yield
-    finally:
-        if removed:
-            own[:] = saved
+
+def swap_class(obj, cls):
+    """`obj.__class__ = cls` (what `cs.enable` does; Keras reads the class name
+    for serialization from `__name__`/registration, so the subclass keeps both)."""
+    obj.__class__ = cls
+
+
+# --------------------------------------------------------------------------
+# State owned by the model but not a weight (keras 3.15.1: layers/layer.py:664-700)
+# --------------------------------------------------------------------------
+class _HiddenState:
+    """Looks like a SeedGenerator to `Layer.variables`: its `state` joins
+    `variables`/`non_trainable_variables` (so JAX threads it through compiled
+    steps), but not `weights`, `get_weights()` or the saved file (saving only walks
+    KerasSaveable objects)."""
+
+    def __init__(self, variable):
+        self.state = variable
+
+
+def add_hidden_state(model, variable):
+    """Makes `variable` model state that is not a weight. Checked against 3.15.1."""
+    model._seed_generators.append(_HiddenState(variable))
+
+
+# fit's validation calls `evaluate(..., _use_cached_eval_dataset=True)`
+# (keras 3.15.1: backend/*/trainer.py fit).
+PRIVATE_EVALUATE_ARGUMENTS = frozenset({"_use_cached_eval_dataset"})
+
+
+def replicas(model) -> int:
+    """Replicas of the model's tf.distribute strategy (1 elsewhere)."""
+    strategy = getattr(model, "distribute_strategy", None)
+    return getattr(strategy, "num_replicas_in_sync", 1)
+
+
+def compile_from_config(model, config, own_compile):
+    """Loads a compiled model's compile config, as `Trainer.compile_from_config`
+    does (keras 3.15.1: trainers/trainer.py:990-1020), but also through callscope's
+    `compile` override. A user's own `compile` with another signature gets stock
+    Keras's treatment: a warning, and the model loads uncompiled."""
+    from keras.src.trainers.trainer import Trainer
+
+    config = keras.saving.deserialize_keras_object(config)
+    user_compile = next((c.__dict__["compile"] for c in type(model).__mro__
+                         if "compile" in c.__dict__), None)
+    if user_compile not in (own_compile, Trainer.compile):
+        try:
+            inspect.signature(model.compile).bind(**config)
+        except TypeError:
+            return Trainer.compile_from_config(model, config)
+    model.compile(**config)
+    if getattr(model, "optimizer", None) is not None and model.built:
+        model.optimizer.build(model.trainable_variables)
 
 
 # --------------------------------------------------------------------------
@@ -245,10 +274,10 @@ def unbake_functional_defaults(model, names):
 # JAX purge recovery (keras 3.15.1: backend/jax/trainer.py:453-460, 1009-1037)
 # --------------------------------------------------------------------------
 def snapshot_variable_values(model):
-    """References to every variable's current value, before a JAX run.
+    """References to every variable's current value, before a JAX call.
 
-    JAX `fit` purges `Variable._value` to None and only restores it once the
-    first step has returned; an exception while tracing that step leaves the
+    JAX `fit`/`evaluate`/`predict` purge `Variable._value` to None while their
+    loop runs and restore it at the end; an exception inside the loop leaves the
     model with no weights. Checked against 3.15.1.
     """
     if keras.backend.backend() != "jax":
@@ -257,14 +286,28 @@ def snapshot_variable_values(model):
     optimizer = getattr(model, "optimizer", None)
     if optimizer is not None:
         variables += list(optimizer.variables)
+    variables += list(getattr(model, "metrics_variables", ()))
     return tuple((v, v._value) for v in variables)
 
 
-def restore_purged_values(snapshot):
-    """Puts back the value of every variable that a failed JAX run purged."""
+def restore_purged_values(model, snapshot):
+    """Puts back the value of every variable that a failed JAX call purged, and
+    drops the loop's unsynced state (`_jax_state`), so the model is usable."""
+    if not snapshot:
+        return
     for variable, value in snapshot:
         if variable._value is None and value is not None:
             variable._value = value
+    model.__dict__["_jax_state"] = None
+    model.__dict__["_jax_state_synced"] = True
+
+
+def sync_jax_state(model):
+    """Writes a running JAX loop's state back into the variables (public
+    `jax_state_sync`, 3.15.1: backend/jax/trainer.py:880)."""
+    sync = getattr(model, "jax_state_sync", None)
+    if sync is not None:
+        sync()
 
 
 # --------------------------------------------------------------------------

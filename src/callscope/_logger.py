@@ -24,9 +24,10 @@ class EpochStatistics(keras_callbacks.ProgbarLogger):
     see the statistics. Not meant to be constructed by hand.
     """
 
-    def __init__(self, capture):
+    def __init__(self, call, callbacks=()):
         super().__init__()
-        self.capture = capture
+        self.capture = call  # this fit's records (a `_capture.Call`)
+        self._callbacks = list(callbacks)
         self._start: dict[str, int] = {}
         self._keys: set[str] = set()
 
@@ -62,7 +63,7 @@ class EpochStatistics(keras_callbacks.ProgbarLogger):
         return scalars, histograms
 
     def _write_histograms(self, histograms, epoch):
-        board = next((cb for cb in getattr(self.model, "_callscope_fit_callbacks", ())
+        board = next((cb for cb in self._callbacks
                       if isinstance(cb, keras_callbacks.TensorBoard)), None)
         if board is None or not histograms:
             return

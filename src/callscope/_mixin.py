@@ -1,73 +1,115 @@
-"""`ContextMixin`: context arguments through every entry point of a Keras model.
+"""`ContextMixin`: context arguments, captures and patches through every entry point.
 
-Keras caches one compiled function per model in three attributes,
-`train_function`, `test_function` and `predict_function`. callscope keeps one set
-of them per *key* (the frozen static context values) in a bounded LRU table and
-swaps the right set in around each call to Keras. While a non-default key runs,
-fresh per-key closures shadow `train_step`/`test_step`/`predict_step` on the
-instance; each enters the key's values *inside* the traced step. That gives every
-key its own callable for JAX's trace cache, reaches the replica threads of
-`tf.distribute`, and leaves user-overridden steps untouched.
+Each public call (`fit`, `evaluate`, `predict`, the `*_on_batch` methods, a direct
+`model(x)`) makes one `Run` (`_run.py`) from the caller's scopes and its keyword
+arguments, and holds it in a `ContextVar` while Keras runs. Nothing about the call
+is written to the model:
 
-`cs.Model` and `cs.Sequential` are `ContextMixin` on top of the Keras classes;
-`cs.enable(model)` swaps an existing instance's class for a cached subclass that
-keeps the original name and module, so saved files load without callscope.
+- Keras reads and writes `self.train_function`/`test_function`/`predict_function`.
+  Here they are data descriptors that resolve through the run in effect to the
+  `KeyTable` entry of its key (`_keys.py`), so two threads with different keys each
+  get their own compiled functions, with no swap and no lock across Keras's loop.
+- `train_step`/`test_step`/`predict_step` are shadowed once, on the instance, by a
+  dispatcher that calls the key's fresh step closure. The closure enters exactly the
+  key's values *inside* the traced step (a sealed frame, `_scope.py`), which reaches
+  the replica threads of `tf.distribute` and leaves user-overridden steps unchanged.
+- Layer wrappers are installed once and consult the collector of the step in
+  effect (`_collector.py`).
+- Dynamic values travel with the run: substituted into the JAX state of each step,
+  or assigned to a hidden variable for the length of one compiled call on
+  TensorFlow and torch. They are never weights.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import inspect
 import threading
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import keras
 import numpy as np
 
-from callscope import _collector, _context, _keras_compat, _steps
-from callscope._capturing import CAPTURE, PATCH, CaptureMixin, first_batch_of, patches_of, specs_of
+from callscope import _backend, _collector, _keras_compat, _keys, _scope, _steps
+from callscope._capturing import CAPTURE, PATCH, CaptureMixin, first_batch_of
+from callscope._run import Gate, Run, with_gate_callbacks
 
 DEFAULT_CACHE_SIZE = 8
-_KINDS = ("train", "test", "predict")
-_ENTRY_KINDS = {
-    "fit": ("train", "test"),
-    "evaluate": ("test",),
-    "predict": ("predict",),
-    "train_on_batch": ("train",),
-    "test_on_batch": ("test",),
-    "predict_on_batch": ("predict",),
-}
-_DYNAMIC = "<dynamic>"  # stands for a dynamic value in a key
-_MISSING = object()
+_KINDS = _keys.KINDS
+# JAX: stock Keras purges a model's variables while its loop runs, so calls are
+# serialised (one gate for all models: layers can be shared between models).
+GATE = Gate() if keras.backend.backend() == "jax" else None
 
 
-class _KeyEntry:
-    """The compiled functions and step closures of one key."""
+class _State:
+    """callscope's per-model registry: names, compiled functions, known points.
 
-    def __init__(self, model: Any, key: tuple, values: Mapping[str, Any]):
-        specs, patches = specs_of(key), patches_of(key)
-        self.functions: dict[str, Any] = dict.fromkeys(_KINDS)
-        self.steps = (
-            {kind: _step_closure(model, kind, values, specs, patches) for kind in _KINDS}
-            if key else {}
-        )
+    It holds what is true of the model, never of one call.
+    """
+
+    def __init__(self, model):
+        self.static: dict[str, None] = {}
+        self.dynamic: dict[str, keras.Variable | None] = {}
+        self.lock = threading.RLock()  # registration only; never held across a call
+        self.unbaked = False
+        self.declared: frozenset | None = None  # names declared by sublayers
+        self.patch_hits: set[str] = set()  # patched points seen in traces
+        self.seen: dict[str, None] = {}  # points seen in traces, for error messages
+        self.replica_lock = threading.Lock()  # tf.distribute: replica threads see no
+        self.replica_entry = None  # contextvars, so the tracing call's entry is here
+        self.dynamic_lock = threading.Lock()  # TF/torch: one assign-and-call at a time
+        self.make_lock = threading.RLock()  # make_*_function reads the step once
+
+    @property
+    def names(self) -> set[str]:
+        return set(self.static) | set(self.dynamic)
+
+
+class _PerKeyFunction:
+    """`self.<kind>_function`, resolved through the run in effect (see above)."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+
+    def __get__(self, model, owner=None):
+        if model is None:
+            return self
+        return model._cs_entry_now().functions[self.kind]
+
+    def __set__(self, model, value):
+        model._cs_entry_now().functions[self.kind] = value
+
+
+class _StepDispatch:
+    """Shadows `<kind>_step` on the instance: calls the step closure of the key in
+    effect. Holds the model as an attribute (not a closure), so deep copies rebind."""
+
+    def __init__(self, model, kind: str):
+        self.model = model
+        self.kind = kind
+
+    def __call__(self, *args, **kwargs):
+        model = self.model
+        run = _scope.run_of(model)
+        entry = run.entry if run is not None else (model._cs.replica_entry
+                                                   or model._cs_table().default)
+        return entry.steps[self.kind](*args, **kwargs)
 
 
 def _step_closure(model, kind, values, specs, patches=()):
     """A fresh callable over `type(model).<kind>_step` that enters `values`.
 
-    It is new per key on purpose: JAX keys its trace cache on the callable, and a
-    bound method is equal across keys. Everything it reads is fixed by `values`
-    and `specs`. With capture specs, it collects inside the step and returns the
-    records as extra outputs.
+    New per key on purpose: JAX keys its trace cache on the callable. Everything it
+    reads is fixed by `values`, `specs` and `patches`: the frame it enters is sealed,
+    so a scope value outside the key cannot leak into the trace. With capture
+    specs, it collects inside the step and returns the records as extra outputs.
     """
     step = getattr(type(model), f"{kind}_step")
 
     def scoped_step(*args, **kwargs):
-        with _context.pushed(values), _collector.patching(patches) as active:
+        with _scope.pushed(_scope.sealed(values)), _collector.patching(patches) as active:
             if not specs:
                 result = step(model, *args, **kwargs)
                 model._cs.patch_hits.update(active.hits if active else ())
@@ -86,54 +128,60 @@ def _step_closure(model, kind, values, specs, patches=()):
     return scoped_step
 
 
-class _State:
-    """callscope's per-model bookkeeping, kept out of Keras's attribute tracking."""
-
-    def __init__(self):
-        self.static: dict[str, None] = {}
-        self.dynamic: dict[str, keras.Variable | None] = {}
-        self.table: collections.OrderedDict[tuple, _KeyEntry] = collections.OrderedDict()
-        self.installed: tuple = ()
-        self.lock = threading.RLock()
-        self.unbaked = False
-        self.captures: list = []  # open cs.capture scopes, outermost first
-        self.patches: list = []  # open cs.patch scopes: dicts {point: fn}
-        self.patch_hits: set[str] = set()  # patched points seen in traces
-        self.sinks: tuple = ()  # the captures the running call fills
-        self.running: list[str] = []  # entry points in progress (fit, predict, ...)
-        self.seen: dict[str, None] = {}  # points seen in traces, for error messages
-
-    @property
-    def names(self) -> set[str]:
-        return set(self.static) | set(self.dynamic)
-
-    def hidden_variables(self) -> list:
-        return [v for v in self.dynamic.values() if v is not None]
+def _marked(key: tuple, mark: str) -> tuple:
+    return next((item[1] for item in key if item[0] == mark), ())
 
 
 class ContextMixin(CaptureMixin, _keras_compat.LossHook):
-    """Adds context arguments to a Keras model. Used through `cs.Model`,
-    `cs.Sequential` and `cs.enable`.
+    """Adds context arguments, captures and patches to a Keras model. Used through
+    `cs.Model`, `cs.Sequential` and `cs.enable`.
 
     Attributes:
         context_cache_size: how many distinct non-default keys keep their compiled
-            functions (LRU, default 8). Past that, the least recently used key is
-            evicted with a warning and retraces when it comes back.
+            functions (LRU, default 8). Past that, the least recently used key that
+            no running call uses is evicted with a warning, and retraces when it
+            comes back.
     """
 
     context_cache_size: int = DEFAULT_CACHE_SIZE
+    train_function = _PerKeyFunction("train")
+    test_function = _PerKeyFunction("test")
+    predict_function = _PerKeyFunction("predict")
 
     # ------------------------------------------------------------------
-    # Declaring names
+    # Per-model registry
     # ------------------------------------------------------------------
     @property
     def _cs(self) -> _State:
         state = self.__dict__.get("_callscope_state")
         if state is None:
-            state = self.__dict__["_callscope_state"] = _State()
+            state = _State(self)
+            _keras_compat.set_instance_attribute(self, "_callscope_state", state)
             for name in getattr(type(self), "_callscope_context_args", ()):
                 self.register_context_args(name)
         return state
+
+    def _cs_table(self) -> _keys.KeyTable:
+        table = self.__dict__.get("_callscope_table")
+        if table is None:
+            table = _keys.KeyTable(self._cs_make_steps)
+            table.default.steps = self._cs_make_steps((), {})
+            _keras_compat.set_instance_attribute(self, "_callscope_table", table)
+        return table
+
+    def _cs_make_steps(self, key: tuple, values: Mapping) -> dict:
+        specs, patches = _marked(key, CAPTURE), _marked(key, PATCH)
+        return {kind: _step_closure(self, kind, dict(values), specs, patches) for kind in _KINDS}
+
+    def _cs_entry_now(self) -> _keys.Entry:
+        run = _scope.run_of(self)
+        return run.entry if run is not None else self._cs_table().default
+
+    def _cs_install_steps(self) -> None:
+        for kind in _KINDS:
+            name = f"{kind}_step"
+            if not isinstance(self.__dict__.get(name), _StepDispatch):
+                _keras_compat.set_instance_attribute(self, name, _StepDispatch(self, kind))
 
     def register_context_args(self, *names: str, dynamic: bool = False) -> None:
         """Declares context arguments that every entry point of this model takes.
@@ -210,186 +258,137 @@ class ContextMixin(CaptureMixin, _keras_compat.LossHook):
         if allowed is not None:
             for name in kwargs:
                 if name not in allowed:
-                    raise _context.unknown_argument_error(method, name, names)
+                    raise unknown_argument_error(method, name, names)
         return given
 
-    def _cs_resolve(self, given: Mapping[str, Any]) -> dict[str, Any]:
+    # ------------------------------------------------------------------
+    # Resolving values
+    # ------------------------------------------------------------------
+    def _cs_resolve(self, given: Mapping[str, Any], *, tracing: bool = False) -> dict[str, Any]:
         """Explicit value > scope value > absent; validates static values."""
         state = self._cs
-        if not state.unbaked:
+        if not state.unbaked and not tracing:
             _keras_compat.unbake_functional_defaults(self, state.names)
             state.unbaked = True
-        scope = _context.scope_values()
         values = {}
         for name in state.names:
-            value = given[name] if name in given else scope.get(name)
+            value = given[name] if name in given else _scope.lookup(name, tracing=tracing)
             if value is None:
                 continue
             if name in state.static:
-                _context.check_static(name, value)
+                _keys.check_static(name, value)
             values[name] = value
         return values
 
-    def _cs_key(self, values: Mapping[str, Any]) -> tuple:
-        static = self._cs.static
-        return tuple(sorted((n, v if n in static else _DYNAMIC) for n, v in values.items()))
+    def _cs_check_stray(self) -> None:
+        """A scope value that a sublayer declares but this model's key would not hold
+        would be frozen into (or silently missing from) the compiled function."""
+        state = self._cs
+        if state.declared is None:
+            if not self.built:
+                return
+            declared = set()
+            for layer in _keras_compat.flatten_layers(self):
+                declared |= _keras_compat.registered_call_context_args(layer)
+            state.declared = frozenset(declared - {"training"})
+        values = _scope.frame().values
+        for name in state.declared:
+            if name not in state.static and name not in state.dynamic \
+                    and values.get(name) is not None:
+                raise _scope.StrayValueError(
+                    _scope.STRAY_VALUE.format(name=name, value=values[name])
+                    .replace("the model that compiles the function",
+                             f"`{type(self).__name__}` (which compiles the function)")
+                )
 
-    def _cs_dynamic_variable(self, name: str, value: Any) -> keras.Variable:
-        """The variable holding dynamic `name`, created at its first value."""
+    def _cs_dynamic_variable(self, name: str, value: Any) -> tuple[keras.Variable, np.ndarray]:
+        """The hidden variable of dynamic `name` (made at its first value), and the
+        value as an array of its dtype and shape."""
         state = self._cs
         variable = state.dynamic.get(name)
-        if isinstance(value, keras.Variable):
-            return value
         array = np.asarray(keras.ops.convert_to_numpy(value))
-        if variable is None:
-            dtype = keras.config.floatx() if array.dtype.kind == "f" else str(array.dtype)
-            strategy = getattr(self, "distribute_strategy", None)
-            scope = strategy.scope() if strategy is not None else contextlib.nullcontext()
-            with scope:
-                variable = keras.Variable(
-                    array.astype(dtype), trainable=False, name=f"callscope_{name}"
-                )
-            _keras_compat.track_hidden_variable(self, variable)
-            state.dynamic[name] = variable
-        elif tuple(variable.shape) != array.shape:
+        with state.lock:
+            variable = state.dynamic.get(name)
+            if variable is None:
+                dtype = keras.config.floatx() if array.dtype.kind == "f" else str(array.dtype)
+                strategy = getattr(self, "distribute_strategy", None)
+                scope = strategy.scope() if strategy is not None else contextlib.nullcontext()
+                with scope:
+                    variable = keras.Variable(array.astype(dtype), trainable=False,
+                                              name=f"callscope_{name}")
+                _keras_compat.add_hidden_state(self, variable)
+                state.dynamic[name] = variable
+        if tuple(variable.shape) != array.shape:
             raise ValueError(
                 f"Dynamic context argument `{name}` keeps the shape of its first value, "
                 f"{tuple(variable.shape)}, so that it never retraces. Pass values of "
                 f"that shape. Received: {name} with shape {array.shape}"
             )
-        else:
-            variable.assign(array.astype(variable.dtype))
-        return variable
+        return variable, array.astype(variable.dtype)
 
     # ------------------------------------------------------------------
-    # Entry points
+    # Entry points: one run per call
     # ------------------------------------------------------------------
-    @contextlib.contextmanager
-    def _cs_entry(self, method: str, given: Mapping[str, Any], first_batch=None) -> Iterator[None]:
-        """Enters the key of one public call: scope, functions, step closures."""
+    def _cs_run(self, method: str, args: tuple, kwargs: dict) -> Any:
         state = self._cs
-        snapshot = (
-            _keras_compat.snapshot_variable_values(self)
-            if method in ("fit", "train_on_batch")
-            else ()
-        )
-        captures = tuple(state.captures)
-        patches = self._cs_patch_items()
-        if not state.names and not captures and not patches:
-            try:
-                yield
-            except BaseException:
-                _keras_compat.restore_purged_values(snapshot)
-                raise
-            return
+        given = self._cs_split(method, kwargs, _keras_method_parameters(type(self), method))
+        captures = _scope.captures_for(self)
+        patches = _scope.patches_for(self)
+        self._cs_check_stray()
         values = self._cs_resolve(given)
+        dynamic = []
         for name in state.dynamic:
             if name in values:
-                values[name] = self._cs_dynamic_variable(name, values[name])
-        key = self._cs_key(values)
+                variable, array = self._cs_dynamic_variable(name, values[name])
+                values[name] = variable
+                dynamic.append((variable, array))
+        key = _keys.static_key(values, set(state.static))
         if captures:
             _steps.check_capture_supported(self, method, tuple(c.spec for c in captures))
+        if captures or patches:
+            specs = self._cs_prepare_capture(captures, first_batch_of(args, kwargs))
+            if specs:
+                key = (*key, (CAPTURE, specs))
+            if patches:
+                key = (*key, (PATCH, patches))
         # Names this model registered but that are not set are blanked out, so an
         # outer scope's value cannot reach a trace of another key.
-        pushed = {**dict.fromkeys(state.names), **values}
-        with _context.pushed(pushed), state.lock:
-            sinks, state.sinks = state.sinks, captures
-            state.running.append(method)
-            try:
-                with self._cs_capturing(captures, patches, first_batch=first_batch) as specs:
-                    if specs:
-                        key = (*key, (CAPTURE, specs))
-                    if patches:
-                        key = (*key, (PATCH, patches))
-                    previous = state.installed
-                    swapped = key != previous
-                    if swapped:
-                        saved_steps = self._cs_install(key, values)
-                    try:
-                        yield
-                    finally:
-                        if swapped:
-                            self._cs_uninstall(key, previous, saved_steps)
-                for capture in captures:
-                    capture._calls += 1
-            except BaseException:
-                _keras_compat.restore_purged_values(snapshot)
-                raise
-            finally:
-                state.running.pop()
-                state.sinks = sinks
-
-    def _cs_entry_for(self, key: tuple, values: Mapping[str, Any]) -> _KeyEntry:
-        state = self._cs
-        entry = state.table.get(key)
-        if entry is None:
-            entry = state.table[key] = _KeyEntry(self, key, values)
-            limit = max(1, int(self.context_cache_size))
-            while sum(1 for k in state.table if k) > limit:
-                evict = next(k for k in state.table if k and k not in (key, state.installed))
-                del state.table[evict]
-                warnings.warn(
-                    f"callscope evicted the compiled functions of context {dict(evict)} "
-                    f"(more than context_cache_size={limit} distinct values). It will "
-                    "retrace if used again. Raise `model.context_cache_size` to keep more.",
-                    stacklevel=5,
-                )
-        state.table.move_to_end(key)
-        return entry
-
-    def _cs_install(self, key: tuple, values: Mapping[str, Any]) -> dict:
-        state = self._cs
-        self._cs_store(state.installed)
-        entry = self._cs_entry_for(key, values)
-        saved_steps = {}
-        for kind in _KINDS:
-            # Written to __dict__: Keras's attribute tracking costs ms per call.
-            self.__dict__[f"{kind}_function"] = entry.functions[kind]
-            name = f"{kind}_step"
-            saved_steps[name] = self.__dict__.pop(name, _MISSING)
-            if entry.steps:
-                self.__dict__[name] = entry.steps[kind]
-        state.installed = key
-        return saved_steps
-
-    def _cs_uninstall(self, key: tuple, previous: tuple, saved_steps: dict) -> None:
-        state = self._cs
-        self._cs_store(key)
-        entry = state.table.get(previous) or self._cs_entry_for(previous, {})
-        for kind in _KINDS:
-            # Written to __dict__: Keras's attribute tracking costs ms per call.
-            self.__dict__[f"{kind}_function"] = entry.functions[kind]
-        for name, step in saved_steps.items():
-            self.__dict__.pop(name, None)
-            if step is not _MISSING:
-                self.__dict__[name] = step
-        state.installed = previous
-
-    def _cs_store(self, key: tuple) -> None:
-        entry = self._cs.table.get(key)
-        if entry is None:
-            if key:
-                return  # evicted while running
-            entry = self._cs.table[key] = _KeyEntry(self, key, {})
-        for kind in _KINDS:
-            entry.functions[kind] = getattr(self, f"{kind}_function", None)
-
-    def _cs_run(self, method: str, args: tuple, kwargs: dict) -> Any:
-        allowed = _keras_method_parameters(type(self), method)
-        given = self._cs_split(method, kwargs, allowed)
-        first_batch = first_batch_of(args, kwargs) if self._cs.captures else None
-        logging = next((c for c in reversed(self._cs.captures) if c.log), None)
-        if method == "fit" and logging is not None:
-            from callscope._logger import EpochStatistics
-
-            callbacks = list(kwargs.get("callbacks") or [])
-            kwargs["callbacks"] = [EpochStatistics(logging), *callbacks]
-            self.__dict__["_callscope_fit_callbacks"] = callbacks
+        frame = _scope.overlay({**dict.fromkeys(state.names), **values}, keyed=True)
+        table = self._cs_table()
+        entry = table.acquire(key, values, self.context_cache_size)
         try:
-            with self._cs_entry(method, given, first_batch=first_batch):
-                return getattr(super(), method)(*args, **kwargs)
+            self._cs_install_steps()
+            nested = _scope.run_of(self) is not None
+            calls = tuple(c._begin(method, nested) for c in captures)
+            if dynamic and _JAX:
+                positions = {id(v): i for i, v in enumerate(self.non_trainable_variables)}
+                dynamic = [(positions[id(v)], a) for v, a in dynamic]
+            run = Run(self, method, entry, tuple(dynamic), calls, patches, nested)
+            logging = next((i for i, c in enumerate(captures) if c.log), None)
+            if method == "fit" and logging is not None:
+                from callscope._logger import EpochStatistics
+
+                user = list(kwargs.get("callbacks") or [])
+                kwargs["callbacks"] = [EpochStatistics(calls[logging], user), *user]
+            if GATE is not None and method in ("fit", "evaluate", "predict"):
+                kwargs["callbacks"] = with_gate_callbacks(kwargs.get("callbacks"), GATE, self)
+            return self._cs_call_keras(method, run, frame, args, kwargs)
         finally:
-            self.__dict__.pop("_callscope_fit_callbacks", None)
+            table.release(entry)
+
+    def _cs_call_keras(self, method, run, frame, args, kwargs):
+        snapshot = _keras_compat.snapshot_variable_values(self)
+        if GATE is not None:
+            GATE.enter()
+        try:
+            with _scope.pushed(frame), _scope.running(run):
+                return getattr(super(), method)(*args, **kwargs)
+        except BaseException:
+            _keras_compat.restore_purged_values(self, snapshot)
+            raise
+        finally:
+            if GATE is not None:
+                GATE.exit()
 
     def fit(self, *args, **kwargs):
         return self._cs_run("fit", args, kwargs)
@@ -409,42 +408,91 @@ class ContextMixin(CaptureMixin, _keras_compat.LossHook):
     def predict_on_batch(self, *args, **kwargs):
         return self._cs_run("predict_on_batch", args, kwargs)
 
+    # ------------------------------------------------------------------
+    # The made functions: per-run values in, captured values out
+    # ------------------------------------------------------------------
+    def _cs_wrap_function(self, kind: str):
+        entry = self._cs_entry_now()
+        function = entry.functions[kind]
+        if function is None or isinstance(function, _RunFunction):
+            return function
+        wrapped = entry.functions[kind] = _RunFunction(self, kind, function)
+        return wrapped
+
+    def _cs_make(self, kind: str, make, force: bool):
+        # JAX's trainer reads `self.<kind>_step` once, at make time, and keys its
+        # trace cache on that callable: it must see the key's own closure then.
+        # TF and torch read it at trace or call time, through the dispatcher.
+        name = f"{kind}_step"
+        with self._cs.make_lock:
+            dispatcher = self.__dict__.get(name)
+            if _JAX and isinstance(dispatcher, _StepDispatch):
+                _keras_compat.set_instance_attribute(
+                    self, name, self._cs_entry_now().steps[kind])
+            try:
+                make(force=force)
+            finally:
+                if _JAX and isinstance(dispatcher, _StepDispatch):
+                    _keras_compat.set_instance_attribute(self, name, dispatcher)
+        return self._cs_wrap_function(kind)
+
+    def make_train_function(self, force=False):
+        return self._cs_make("train", super().make_train_function, force)
+
+    def make_test_function(self, force=False):
+        return self._cs_make("test", super().make_test_function, force)
+
+    def make_predict_function(self, force=False):
+        return self._cs_make("predict", super().make_predict_function, force)
+
     def compile(self, *args, **kwargs):
         # A new compile invalidates every key's functions (Keras resets its own).
-        state = self._cs
-        with state.lock:
-            state.table.clear()
+        self._cs_table().clear()
         return super().compile(*args, **kwargs)
 
     def compile_from_config(self, config):
         # Keras skips compiling on load when `compile` is overridden
-        # (trainer.py:1003); ours only clears the cache, so compile as stock does.
-        config = keras.saving.deserialize_keras_object(config)
-        self.compile(**config)
-        if getattr(self, "optimizer", None) is not None and self.built:
-            self.optimizer.build(self.trainable_variables)
+        # (trainer.py:1003); ours only clears the cache, so compile as stock does,
+        # unless the user's own `compile` takes other arguments: then warn and
+        # load uncompiled, as stock Keras does for any overridden `compile`.
+        return _keras_compat.compile_from_config(self, config, ContextMixin.compile)
 
     # ------------------------------------------------------------------
     # Delivery to the layers
     # ------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
         state = self._cs
-        eager_capture = (
-            (state.captures or state.patches) and not state.running
-            and _collector.active_collector() is None and _collector.active_patches() is None
-            and not any(isinstance(a, keras.KerasTensor) for a in keras.tree.flatten(args))
-        )
-        if eager_capture:
-            return self._cs_call_capturing(*args, **kwargs)
-        if not state.names and not isinstance(self, _STRICT_KWARGS_CLASSES):
-            return super().__call__(*args, **kwargs)
-        allowed = _direct_call_parameters(self)
-        given = self._cs_split("__call__", kwargs, allowed)
-        values = self._cs_resolve(given)
-        pushed = {**dict.fromkeys(state.names), **values}
-        with _context.pushed(pushed):
-            kwargs.update({n: _delivered(v) for n, v in values.items()})
-            return super().__call__(*args, **kwargs)
+        leaves = keras.tree.flatten(args)
+        symbolic = _backend.is_symbolic(leaves)
+        tracing = not symbolic and _backend.is_tracing(leaves)
+        inside_step = (_collector.active_collector() is not None
+                       or _collector.active_patches() is not None)
+        if not symbolic and not inside_step:
+            captures, patches = _scope.captures_for(self), _scope.patches_for(self)
+            if (captures or patches) and not (tracing and _scope.run_of(self) is not None):
+                # (A trace inside this model's own run, such as Keras's symbolic
+                # build, is not a call of its own.)
+                if tracing:
+                    raise RuntimeError(_OUTSIDE_COMPILE.format(
+                        what="cs.capture" if captures else "cs.patch",
+                        model=type(self).__name__))
+                return self._cs_call_capturing(captures, patches, args, kwargs)
+        gated = GATE is not None and not symbolic and not tracing
+        if gated:
+            GATE.enter()
+        try:
+            if not state.names and not isinstance(self, _STRICT_KWARGS_CLASSES):
+                return super().__call__(*args, **kwargs)
+            allowed = _direct_call_parameters(self)
+            given = self._cs_split("__call__", kwargs, allowed)
+            values = self._cs_resolve(given, tracing=tracing)
+            frame = _scope.overlay({**dict.fromkeys(state.names), **values}, keyed=True)
+            with _scope.pushed(frame):
+                kwargs.update({n: _delivered(v) for n, v in values.items()})
+                return super().__call__(*args, **kwargs)
+        finally:
+            if gated:
+                GATE.exit()
 
     def stateless_call(
         self, trainable_variables, non_trainable_variables, *args, return_losses=False, **kwargs
@@ -457,7 +505,8 @@ class ContextMixin(CaptureMixin, _keras_compat.LossHook):
                 return_losses=return_losses, **kwargs,
             )
         given = self._cs_split("stateless_call", kwargs, None)
-        values = self._cs_resolve(given)
+        tracing = _backend.is_tracing(keras.tree.flatten(args))
+        values = self._cs_resolve(given, tracing=tracing)
         # A dynamic value is read from the state passed in, not from the
         # (possibly purged) variable.
         hidden = {id(v): i for i, v in enumerate(self.non_trainable_variables)}
@@ -471,7 +520,7 @@ class ContextMixin(CaptureMixin, _keras_compat.LossHook):
             trainable_variables, non_trainable_variables, *args,
             return_losses=return_losses, **kwargs,
         )
-        with _context.pushed(pushed):
+        with _scope.pushed(_scope.overlay(pushed, keyed=True)):
             if propagates:
                 kwargs.update(delivered)
                 return call()
@@ -488,20 +537,63 @@ class ContextMixin(CaptureMixin, _keras_compat.LossHook):
             with _keras_compat.entered_call_context(self, entered):
                 return call()
 
-    # ------------------------------------------------------------------
-    # Saving: dynamic-context variables never reach the weights file
-    # ------------------------------------------------------------------
-    def save_own_variables(self, store):
-        with _keras_compat.without_variables(self, self._cs.hidden_variables()):
-            return super().save_own_variables(store)
 
-    def load_own_variables(self, store):
-        with _keras_compat.without_variables(self, self._cs.hidden_variables()):
-            return super().load_own_variables(store)
+
+class _RunFunction:
+    """Wraps a made `*_function`: puts the run's dynamic values in, and takes its
+    captured values out before Keras's loop sees them.
+
+    It reads the run from the caller's context, so the same compiled function
+    serves every run of its key, each with its own values and sinks.
+    """
+
+    def __init__(self, model, kind: str, function):
+        self.model, self.kind, self.__wrapped__ = model, kind, function
+
+    def __call__(self, *args, **kwargs):
+        model, function = self.model, self.__wrapped__
+        run = _scope.run_of(model)
+        if run is not None and run.dynamic and _JAX:
+            args = (_backend.with_state_values(args[0], run.dynamic), *args[1:])
+        with contextlib.ExitStack() as stack:
+            state = model._cs
+            if run is not None and _keras_compat.replicas(model) > 1:
+                # Replica threads see no contextvars: they find the entry here.
+                stack.enter_context(state.replica_lock)
+                state.replica_entry = run.entry
+                stack.callback(setattr, state, "replica_entry", None)
+            if run is not None and run.dynamic and not _JAX:
+                stack.enter_context(state.dynamic_lock)
+                for variable, array in run.dynamic:
+                    variable.assign(array)
+            result = function(*args, **kwargs)
+        return _steps.pop_sown(self.kind, result, run)
+
+
+_OUTSIDE_COMPILE = (
+    "{what} cannot record or intervene inside a function it did not compile: "
+    "`{model}` was called inside your own `jax.jit`/`tf.function`/`torch.compile`, "
+    "so what it records would be tracers of your trace, and a cached run of your "
+    "function would silently skip it. Call the model outside your compiled "
+    "function under the scope, or capture through `fit`/`evaluate`/`predict`, "
+    "which compile the capture themselves. Received: a traced call of {model}"
+)
+_JAX = keras.backend.backend() == "jax"
 
 
 def _delivered(value):
     return value.value if isinstance(value, keras.Variable) else value
+
+
+def unknown_argument_error(method: str, name: str, registered: set[str]) -> TypeError:
+    known = ", ".join(sorted(registered)) or "none"
+    return TypeError(
+        f"`{method}()` got an unexpected keyword argument `{name}`. It is neither an "
+        f"argument of `{method}()` nor a registered context argument "
+        f"(registered: {known}). To pass it to the model's layers, declare it with "
+        f"`model.register_context_args({name!r})` or decorate the model class with "
+        f"`@callscope.context_args({name!r})`. Received: {name}=..."
+    )
 
 
 _STRICT_KWARGS_CLASSES = (keras.Sequential, _keras_compat.functional_class())
@@ -517,7 +609,7 @@ def _keras_method_parameters(cls, method) -> set[str] | None:
         params = inspect.signature(getattr(base, method)).parameters
         names = {n for n, p in params.items() if p.kind is not p.VAR_KEYWORD}
         if method == "evaluate":
-            names.add("_use_cached_eval_dataset")  # fit's validation (trainer.py:469)
+            names |= _keras_compat.PRIVATE_EVALUATE_ARGUMENTS  # fit's validation
         elif any(p.kind is p.VAR_KEYWORD for p in params.values()):
             names = None
         _PARAMETER_CACHE[key] = names

@@ -147,7 +147,7 @@ def enable(model: T) -> T:
             f"Received: model={type(model).__name__}"
         )
     if not isinstance(model, ContextMixin):
-        model.__class__ = _enabled_class(type(model))
+        _keras_compat.swap_class(model, _enabled_class(type(model)))
     return model
 
 

@@ -15,6 +15,8 @@ import difflib
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+from callscope import _scope
+
 
 @contextlib.contextmanager
 def patch(model, patches: Mapping[str, Callable[[Any], Any]]) -> Iterator[None]:
@@ -53,16 +55,12 @@ def patch(model, patches: Mapping[str, Callable[[Any], Any]]) -> Iterator[None]:
                 f"Received: {point!r}: {fn!r}"
             )
     state = model._cs
-    entry = dict(patches)
-    state.patches.append(entry)
     ran = False
-    try:
+    with _scope.open_patch(model, dict(patches)):
         yield
         ran = True
-    finally:
-        state.patches.remove(entry)
     missed = [p for p in patches if p not in state.patch_hits]
-    if ran and missed and state.table:
+    if ran and missed:
         known = model._cs_known_points()
         if any(p not in known for p in missed):
             near = sorted({n for p in missed for n in difflib.get_close_matches(p, known, n=4,

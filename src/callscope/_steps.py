@@ -59,24 +59,23 @@ def attach(kind, result, sown):
     return (main, *rest) if _JAX else main
 
 
-def popper(model, kind, function):
-    """Wraps a made `*_function`: pops captured values and sinks them on the host."""
+def pop_sown(kind, result, run):
+    """Takes the captured values off a made function's result; hands them to `run`.
 
-    def run(*args, **kwargs):
-        result = function(*args, **kwargs)
-        main, rest = (result[0], result[1:]) if _JAX else (result, ())
-        if isinstance(main, dict) and SOWN in main:
-            sown = main[SOWN]
-            if kind == "predict":
-                main = main[OUTPUTS]
-            else:
-                main = {k: v for k, v in main.items() if k != SOWN}
-            model._cs_sink(kind, sown)
-        return (main, *rest) if _JAX else main
-
-    run._callscope_popper = True
-    run.__wrapped__ = function
-    return run
+    Keras's loop gets back exactly what the step would have returned without
+    capture. `run` is the call in effect in the caller's thread.
+    """
+    main, rest = (result[0], result[1:]) if _JAX else (result, ())
+    if not isinstance(main, dict) or SOWN not in main:
+        return result
+    sown = main[SOWN]
+    if kind == "predict":
+        main = main[OUTPUTS]
+    else:
+        main = {k: v for k, v in main.items() if k != SOWN}
+    if run is not None:
+        run.sink(kind, sown)
+    return (main, *rest) if _JAX else main
 
 
 def check_capture_supported(model, method, specs=()):
@@ -106,8 +105,7 @@ def check_capture_supported(model, method, specs=()):
             "steps_per_execution=1 while capturing (predict concatenates every step and "
             f"works with any value). Received: steps_per_execution={steps}"
         )
-    strategy = getattr(model, "distribute_strategy", None)
-    replicas = getattr(strategy, "num_replicas_in_sync", 1)
+    replicas = _keras_compat.replicas(model)
     if replicas > 1:
         raise ValueError(
             f"cs.capture cannot run inside `{method}` under a tf.distribute strategy with "

@@ -17,10 +17,11 @@ _EVERYTHING = _collector.Spec(select=lambda point, layer: True, kinds=("output",
 
 def _run(model, x):
     if not model.built:
-        model(x, training=False)  # build first: layer paths are set on build
-    with _collector.wrapped_layers(model, (_EVERYTHING,), everything=True):
-        with _collector.collecting_for((_EVERYTHING,)) as collector:
-            model(x, training=False)
+        with _collector.collecting_for(()):  # a plain call: builds, records nothing
+            model(x, training=False)  # layer paths are set on build
+    _collector.install_wrappers(model)
+    with _collector.collecting_for((_EVERYTHING,)) as collector:
+        model(x, training=False)
     return collector.tree
 
 

@@ -1,0 +1,217 @@
+"""The caller's scopes: context values, open captures and patches, running calls.
+
+Everything a call needs to know about *who called it* lives in `contextvars`, never
+on the model: a `cs.context`, `cs.capture` or `cs.patch` scope is visible to the
+thread (or asyncio task) that opened it and to the calls made inside it, and to
+nothing else. A worker thread started inside a scope does not inherit it (Python
+starts threads with an empty context) unless it runs under
+`contextvars.copy_context().run(...)`.
+
+A `Frame` is one immutable layer of context values. Frames pushed eagerly (by
+`cs.context` or an entry point) are *outside* any trace. A compiled step pushes a
+*sealed* frame holding exactly the values of its key; a value that a trace would
+read but that its key does not hold is an error (`StrayValueError`), never a
+constant frozen into the trace.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+import keras
+
+_EMPTY: Mapping[str, Any] = MappingProxyType({})
+
+
+@dataclass(frozen=True)
+class Frame:
+    """The context values in effect, and where they were set.
+
+    Attributes:
+        values: name -> value (None means "not set").
+        sealed: pushed inside a compiled step; holds exactly its key's values.
+        outside: with `sealed`, the names that had a value in the caller's scope
+            but are not part of the key (reading one is an error).
+        keyed: the names whose values were set by a call that keys its compiled
+            functions on them (an entry point, a model's `__call__`, a step), and
+            so may be read inside a trace. A `cs.context` value is not keyed until
+            a model that registered the name takes it.
+    """
+
+    values: Mapping[str, Any] = field(default_factory=lambda: _EMPTY)
+    sealed: bool = False
+    outside: frozenset = frozenset()
+    keyed: frozenset = frozenset()
+
+
+_FRAME: contextvars.ContextVar[Frame] = contextvars.ContextVar("callscope_frame", default=Frame())
+_CAPTURES: contextvars.ContextVar[tuple] = contextvars.ContextVar("callscope_captures", default=())
+_PATCHES: contextvars.ContextVar[tuple] = contextvars.ContextVar("callscope_patches", default=())
+_RUNS: contextvars.ContextVar[tuple] = contextvars.ContextVar("callscope_runs", default=())
+
+
+class StrayValueError(RuntimeError):
+    """A context value would be read inside a compiled function not keyed on it."""
+
+
+STRAY_VALUE = (
+    "Context argument `{name}` is set in the caller's scope ({value!r}), but it is "
+    "read inside a compiled function whose key does not include `{name}`: the value "
+    "would be frozen into that function and silently reused by later calls. "
+    "Fix: make the model that compiles the function know the name. "
+    "Call `outer = cs.enable(outer)` and `outer.register_context_args({name!r})`, "
+    "or decorate its class with `@cs.context_args({name!r})`. Received: {name}={value!r}"
+)
+
+
+# --------------------------------------------------------------------------
+# Context values
+# --------------------------------------------------------------------------
+def frame() -> Frame:
+    return _FRAME.get()
+
+
+@contextlib.contextmanager
+def pushed(frame_: Frame) -> Iterator[None]:
+    token = _FRAME.set(frame_)
+    try:
+        yield
+    finally:
+        _FRAME.reset(token)
+
+
+def overlay(values: Mapping[str, Any], *, keyed: bool) -> Frame:
+    """A frame with `values` over the current one (keeps its seal)."""
+    current = _FRAME.get()
+    if not values:
+        return current
+    names = frozenset(values)
+    return Frame(MappingProxyType({**current.values, **values}), current.sealed,
+                 current.outside, current.keyed | names if keyed else current.keyed - names)
+
+
+def sealed(values: Mapping[str, Any]) -> Frame:
+    """The frame a compiled step runs under: exactly `values` (its key's)."""
+    current = _FRAME.get()
+    outside = frozenset(n for n, v in current.values.items()
+                        if v is not None and n not in values)
+    return Frame(MappingProxyType(dict(values)), True, outside, frozenset(values))
+
+
+def lookup(name: str, *, tracing: bool) -> Any:
+    """The value of `name` in effect; raises where a trace would freeze it."""
+    current = _FRAME.get()
+    value = current.values.get(name)
+    if current.sealed:
+        if value is None and name in current.outside:
+            raise StrayValueError(STRAY_VALUE.format(name=name, value="<set>"))
+        return value
+    if value is not None and tracing and name not in current.keyed:
+        raise StrayValueError(STRAY_VALUE.format(name=name, value=value))
+    return value
+
+
+@contextlib.contextmanager
+def context(**values: Any) -> Iterator[None]:
+    """Sets context arguments for every call of an enabled model in this scope.
+
+    Values set here reach `fit`, `evaluate`, `predict`, the `*_on_batch` methods
+    and `model(x)` of every model that registered the names, exactly as if they
+    had been passed as keyword arguments. An explicit keyword argument wins over
+    the scope. Scopes nest; the inner value wins.
+
+    The scope follows the caller, like `contextvars`: it is seen by the thread or
+    asyncio task that opened it and by the calls made inside it. A thread started
+    inside the scope does not see it, unless it runs under
+    `contextvars.copy_context().run(...)`.
+
+    Example:
+
+    >>> import callscope as cs
+    >>> with cs.context(debugging=True):
+    ...     cs.current("debugging")
+    True
+    >>> cs.current("debugging") is None
+    True
+    """
+    with pushed(overlay(values, keyed=False)):
+        yield
+
+
+def current(name: str, default: Any = None) -> Any:
+    """The value of context argument `name` in effect, or `default`.
+
+    Works in a layer's `call`, in `train_step`/`test_step`/`predict_step`
+    (including the stateless JAX style) and in callbacks. Inside a compiled step a
+    static value is a plain Python value; a dynamic one is a tensor. Inside a
+    compiled function that is not keyed on `name`, a value set outside raises
+    instead of being frozen into the function.
+
+    Example:
+
+    >>> import callscope as cs
+    >>> cs.current("mode", default="eval")
+    'eval'
+    >>> with cs.context(mode="train"):
+    ...     cs.current("mode")
+    'train'
+    """
+    value = lookup(name, tracing=False)
+    if value is None:
+        return default
+    if isinstance(value, keras.Variable):
+        return value.value
+    return value
+
+
+# --------------------------------------------------------------------------
+# Open captures and patches, and the runs in progress
+# --------------------------------------------------------------------------
+@contextlib.contextmanager
+def opened(var: contextvars.ContextVar, item: Any) -> Iterator[None]:
+    token = var.set((*var.get(), item))
+    try:
+        yield
+    finally:
+        var.reset(token)
+
+
+def enter_capture(capture) -> contextvars.Token:
+    return _CAPTURES.set((*_CAPTURES.get(), capture))
+
+
+def exit_capture(token: contextvars.Token) -> None:
+    _CAPTURES.reset(token)
+
+
+def open_patch(model, patches: Mapping):
+    return opened(_PATCHES, (model, patches))
+
+
+def captures_for(model) -> tuple:
+    return tuple(c for c in _CAPTURES.get() if c.model is model)
+
+
+def patches_for(model) -> tuple:
+    merged = {}
+    for owner, patches in _PATCHES.get():
+        if owner is model:
+            merged.update(patches)  # the inner scope wins
+    return tuple(merged.items())
+
+
+def running(run):
+    return opened(_RUNS, run)
+
+
+def run_of(model):
+    """The innermost run of `model` in this thread, or None."""
+    for run in reversed(_RUNS.get()):
+        if run.model is model:
+            return run
+    return None
