@@ -534,3 +534,43 @@ class _nothing:
 
     def __exit__(self, *exc):
         return None
+
+
+def test_asyncio_tasks_each_see_their_own_scope():
+    import asyncio
+
+    async def task(mode):
+        with cs.context(mode=mode):
+            await asyncio.sleep(0.01)
+            return cs.current("mode")
+
+    async def main():
+        return await asyncio.gather(task("a"), task("b"))
+
+    assert asyncio.run(main()) == ["a", "b"]
+    assert cs.current("mode") is None
+
+
+def test_a_saved_file_holds_no_dynamic_value(tmp_path):
+    model = _scaled()
+    model.predict(X, temperature=2.0, verbose=0)
+    path = str(tmp_path / "t.keras")
+    model.save(path)
+    twin = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2), Scale()])
+    twin.load_weights(path)  # raises if the file held one array more
+    np.testing.assert_allclose(numpy(twin(X)), _dense(model, X), rtol=1e-5, atol=1e-6)
+
+
+def test_values_reach_callbacks_and_nested_calls_inherit_them():
+    model = _seq()
+    model.register_context_args("mode")
+    seen = []
+
+    class Reads(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            seen.append(cs.current("mode"))
+
+    model.fit(X, Y, mode="x", epochs=1, verbose=0, callbacks=[Reads()],
+              validation_data=(X, Y))
+    model.fit(X, Y, epochs=1, verbose=0, callbacks=[Reads()])
+    assert seen == ["x", None]
