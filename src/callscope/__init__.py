@@ -16,9 +16,9 @@ Example:
 
 from callscope._capture import Capture as Capture
 from callscope._capture import capture as capture
-from callscope._collector import collecting as collecting
-from callscope._collector import emit as emit
-from callscope._collector import sow as sow
+from callscope._record import collecting as collecting
+from callscope._record import emit as emit
+from callscope._record import sow as sow
 from callscope._scope import context as context
 from callscope._scope import current as current
 from callscope._mixin import ContextMixin as ContextMixin

@@ -1,13 +1,11 @@
 """The few backend facts the engine needs that `keras.ops` does not give.
 
 Is this Python running inside a trace (a compiled function being built), and how
-to put a run's values into a JAX step's state. The framework of the chosen
+to place a run's value in a JAX step's state. The framework of the chosen
 backend is imported here on first use, never another.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import keras
 
@@ -43,19 +41,10 @@ def is_symbolic(leaves) -> bool:
     return False
 
 
-def with_state_values(state: tuple, values: tuple) -> tuple:
-    """A JAX step's `state` with non-trainable entries replaced: ((index, array),).
-
-    Each array is placed like the entry it replaces (same sharding), as a fresh
-    buffer, since Keras donates the state to the step.
-    """
+def place_like(array, like):
+    """`array` as a fresh JAX buffer placed like `like` (same sharding): Keras
+    donates a step's state, so each step gets its own."""
     import jax
 
-    trainable, non_trainable, *rest = state
-    non_trainable = list(non_trainable)
-    for index, array in values:
-        like: Any = non_trainable[index]
-        sharding = getattr(like, "sharding", None)
-        non_trainable[index] = (jax.device_put(array, sharding) if sharding is not None
-                                else jax.numpy.asarray(array))
-    return (trainable, non_trainable, *rest)
+    sharding = getattr(like, "sharding", None)
+    return jax.device_put(array, sharding) if sharding is not None else jax.numpy.asarray(array)

@@ -2,9 +2,9 @@
 
 What a run needs before its first step when captures or patches are open: the
 model built (layer paths are set on build), the recording wrappers installed (once
-per model, `_collector.install_wrappers`), and histogram ranges fixed from the
+per model, `_record.install_wrappers`), and histogram ranges fixed from the
 first batch. Also eager capture of a direct `model(x)`, the JAX
-`compute_loss_and_updates` hook that carries sown values out of `value_and_grad`,
+forward pass that carries sown values out of `value_and_grad` (`AuxHook`),
 and the list of known points for error messages. `ContextMixin` builds on it.
 """
 
@@ -15,7 +15,7 @@ import dataclasses
 import keras
 import numpy as np
 
-from callscope import _collector, _keras_compat, _scope, _steps
+from callscope import _record, _keras_compat, _scope, _steps
 from callscope._run import Run
 
 CAPTURE = "<capture>"  # key entry holding the specs of the active captures
@@ -28,9 +28,9 @@ class CaptureMixin:
     def _cs_prepare_capture(self, captures, first_batch) -> tuple:
         """Builds the model, installs the wrappers and settles each capture's spec."""
         if not self.built and first_batch is not None:
-            with _collector.collecting_for(()):  # a plain call: builds, records nothing
+            with _record.collecting_for(()):  # a plain call: builds, records nothing
                 self(first_batch, training=False)  # layer paths are set on build
-        _collector.install_wrappers(self)
+        _record.install_wrappers(self)
         if any(c.spec.stats and "hist" in c.spec.stats and not c.spec.hist_range
                and not c.spec.ranges for c in captures):
             self._cs_hist_ranges(captures, first_batch)
@@ -46,7 +46,7 @@ class CaptureMixin:
             )
         probe = tuple(dataclasses.replace(c.spec, stats=("min", "max"), hist_range=(0.0, 1.0))
                       for c in captures)
-        with _collector.collecting_for(probe) as collector:
+        with _record.collecting_for(probe) as collector:
             self(first_batch, training=False)
             found = collector.finalize()
         for index, capture in enumerate(captures):
@@ -60,21 +60,21 @@ class CaptureMixin:
             capture.spec = dataclasses.replace(capture.spec, ranges=tuple(sorted(ranges)))
 
     def _cs_known_points(self) -> list[str]:
-        layers = [_collector.point_of(layer) for layer in _keras_compat.flatten_layers(self)
+        layers = [_record.point_of(layer) for layer in _keras_compat.flatten_layers(self)
                   if not isinstance(layer, keras.layers.InputLayer)]
         return list(dict.fromkeys([*layers, *self._cs.seen]))
 
     def _cs_loss_hook(self, loss):
         return _steps.loss_hook(loss)  # see _keras_compat.LossHook
 
-    def compute_loss_and_updates(self, *args, **kwargs):
-        # JAX only (its trainer's forward for grad): carry sown values out of the
-        # differentiated function through the aux output (see _steps.py).
-        if _collector.active_collector() is None:
-            return super().compute_loss_and_updates(*args, **kwargs)
-        with _collector.collecting() as sown:
-            loss, aux = super().compute_loss_and_updates(*args, **kwargs)
-        return loss, _steps.smuggle(aux, sown.values)
+    def _cs_loss_and_updates(self, call, *args, **kwargs):
+        # JAX only (see _keras_compat.AuxHook): the forward pass that value_and_grad
+        # differentiates; values sown inside it leave through its aux output.
+        if _record.active_collector() is None:
+            return (*call(*args, **kwargs), None)
+        with _record.collecting() as sown:
+            loss, aux = call(*args, **kwargs)
+        return loss, aux, sown.values
 
     def _cs_call_capturing(self, captures, patches, args, kwargs):
         """A direct, eager `model(x)` inside a capture or patch scope: one run."""
@@ -83,13 +83,13 @@ class CaptureMixin:
         first = args[0] if args else None
         specs = self._cs_prepare_capture(captures, first) if captures else ()
         if patches:
-            _collector.install_wrappers(self)
+            _record.install_wrappers(self)
         nested = _scope.run_of(self) is not None
         calls = tuple(c._begin("__call__", nested) for c in captures)
         run = Run(self, "__call__", self._cs_table().default, (), calls, patches, nested)
         with _scope.running(run):
-            with _collector.collecting_for(specs) as collector, \
-                    _collector.patching(patches) as active:
+            with _record.collecting_for(specs) as collector, \
+                    _record.patching(patches) as active:
                 outputs = self(*args, **kwargs)
                 sown = collector.finalize()
         self._cs.patch_hits.update(active.hits if active else ())

@@ -6,11 +6,9 @@ Inside `fit`/`evaluate`, `cs.capture(model, kinds=("grad",))` does this for you
 records the selected points, and returns d loss / d point for each.
 
 - JAX: `loss_fn` must be a pure function of its arguments (the stateless style).
-  The points' shapes come from `jax.eval_shape`; zero perturbations are added to
-  them and differentiated in one `value_and_grad`.
-- TensorFlow: one `GradientTape` around `loss_fn`.
-- torch: `torch.autograd.grad(loss, points, retain_graph=True)`, so the caller can
-  still call `loss.backward()` afterwards.
+- torch: the caller can still call `loss.backward()` afterwards.
+
+How each backend differentiates is in `_grads`.
 """
 
 from __future__ import annotations
@@ -20,7 +18,8 @@ from typing import Any, NamedTuple
 
 import keras
 
-from callscope import _collector
+from callscope import _grads, _record
+from callscope._points import Spec, key_name, normalize_select
 
 _BACKEND = keras.backend.backend()
 
@@ -64,75 +63,21 @@ def intermediate_grads(
     >>> keras.ops.convert_to_numpy(result.grads["m/block/h:grad"])  # d sum(h^2)/dh = 2h
     array([[6., 6.]], dtype=float32)
     """
-    if isinstance(select, str):
-        select = (select,)
-    elif isinstance(select, list):
-        select = tuple(select)
-    spec = _collector.Spec(select, ("output", "grad"), None, 1, None)
-
-    def split(result):
-        return (result[0], result[1]) if isinstance(result, tuple) else (result, None)
-
-    def named(collector, records, kind):
-        out = {}
-        for name, values in records.items():
-            _, point, recorded = name.split("|")
-            if recorded != kind:
-                continue
-            for i, value in enumerate(values):
-                out[f"{point}@{i}:{kind}" if len(values) > 1 else f"{point}:{kind}"] = value
-        return out
-
-    _collector.install_wrappers(model)
-    return _intermediate_grads(spec, loss_fn, args, split, named)
-
-
-def _intermediate_grads(spec, loss_fn, args, split, named):
-    if _BACKEND == "jax":
-        import jax
-        import jax.numpy as jnp
-
-        def sources(*a):
-            with _collector.collecting_for((spec,)) as c:
-                c.manual = True
-                loss_fn(*a)
-                return dict(c.grad_source_list())
-
-        shapes = jax.eval_shape(sources, *args)
-        zeros = {name: jnp.zeros(s.shape, s.dtype) for name, s in shapes.items()}
-
-        def forward(perturbations):
-            with _collector.collecting_for((spec,)) as c:
-                c.manual = True
-                c.perturbations = perturbations
-                loss, aux = split(loss_fn(*args))
-                return loss, (aux, c.records)
-
-        (loss, (aux, records)), grads = jax.value_and_grad(forward, has_aux=True)(zeros)
-        collector = _collector.Collector((spec,))
-        collector.add_grads(grads)
-        return IntermediateGrads(loss, aux, named(collector, collector.records, "grad"),
-                                 named(collector, records, "output"))
-
-    with _collector.collecting_for((spec,)) as collector:
+    spec = Spec(normalize_select(select), ("output", "grad"), None, 1, None)
+    _record.install_wrappers(model)
+    with _record.collecting_for((spec,)) as collector:
         collector.manual = True
-        if _BACKEND == "tensorflow":
-            import tensorflow as tf
+        result = _grads.impl.value_and_grads(collector, loss_fn, args)
+    loss, aux = (result[0], result[1]) if isinstance(result, tuple) else (result, None)
+    return IntermediateGrads(loss, aux, _named(collector.records, "grad"),
+                             _named(collector.records, "output"))
 
-            with tf.GradientTape(persistent=True) as tape:
-                collector.on_grad_source = lambda v: (tape.watch(v), v)[1]
-                loss, aux = split(loss_fn(*args))
-            sources = collector.grad_source_list()
-            values = tape.gradient(loss, [t for _, t in sources],
-                                   unconnected_gradients=tf.UnconnectedGradients.ZERO)
-        else:
-            import torch
 
-            loss, aux = split(loss_fn(*args))
-            sources = collector.grad_source_list()
-            values = torch.autograd.grad(loss, [t for _, t in sources], retain_graph=True,
-                                         allow_unused=True)
-            values = [torch.zeros_like(t) if g is None else g for (_, t), g in zip(sources, values)]
-        collector.add_grads({name: g for (name, _), g in zip(sources, values)})
-    return IntermediateGrads(loss, aux, named(collector, collector.records, "grad"),
-                             named(collector, collector.records, "output"))
+def _named(records, kind):
+    out = {}
+    for name, values in records.items():
+        _, point, recorded = name.split("|")
+        if recorded == kind:
+            for i, value in enumerate(values):
+                out[key_name(point, kind, i, len(values))] = value
+    return out

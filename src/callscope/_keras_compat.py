@@ -33,8 +33,14 @@ REQUIRED_ATTRIBUTES = (
     (keras.layers.Layer, "_non_trainable_variables"),  # layer.py:1444
     (keras.Model, "_compute_loss"),  # trainers/trainer.py:404, hooked by LossHook
     (keras.Model, "_flatten_layers"),  # layers/layer.py:1708
+    (keras.layers.Layer, "_seed_generators"),  # instance attr, layer.py:393
 ) + (
-    ((keras.Model, "_update_metrics_variables"),)  # backend/jax/trainer.py:98
+    (
+        (keras.Model, "_update_metrics_variables"),  # backend/jax/trainer.py:98
+        (keras.Model, "compute_loss_and_updates"),  # backend/jax/trainer.py:60
+        (keras.Model, "jax_state_sync"),  # backend/jax/trainer.py:880
+        (keras.Model, "_jax_state_synced"),  # instance attr, backend/jax/trainer.py:37
+    )
     if keras.backend.backend() == "jax" else ()
 )
 
@@ -91,6 +97,18 @@ def set_instance_call(layer, wrapper):
     """Shadows `layer.call` for `Operation.__call__` (keras 3.15.1:
     ops/operation.py, `return self.call(*args, **kwargs)`)."""
     layer.__dict__["call"] = wrapper
+
+
+def get_instance_attribute(obj, name, default=None):
+    """`obj.__dict__.get(name)`: what callscope put there, or a layer's own."""
+    return obj.__dict__.get(name, default)
+
+
+def rebase(cls, bases):
+    """`cls.__bases__ = bases`: what Keras's `inject_functional_model_class` does
+    to a `keras.Model` subclass built the functional way (3.15.1:
+    models/model.py:inject_functional_model_class)."""
+    cls.__bases__ = bases
 
 
 def swap_class(obj, cls):
@@ -365,12 +383,83 @@ def is_stock_jax_step(model, kind):
     return owner.__module__.split(".")[0] == "keras"
 
 
-def update_jax_metrics(model, metrics_vars, unscaled_loss, x, y, y_pred, sample_weight):
-    """The JAX trainer's metric update (`_update_metrics_variables`, 3.15.1:
-    backend/jax/trainer.py:98-120): loss tracker and compiled metrics, statelessly."""
-    return model._update_metrics_variables(
+def jax_stock_step(model, kind, state, data, differentiate):
+    """Keras's JAX `train_step`/`test_step` (3.15.1: backend/jax/trainer.py:98-196),
+    with the gradient taken by `differentiate(forward, trainable, training)`, which
+    returns `((loss, aux), weight_grads or None)`. The state layouts, the
+    `compute_loss_and_updates` signature and its aux 4-tuple are Keras's own."""
+    training = kind == "train"
+    if training:
+        trainable, non_trainable, optimizer_vars, metrics_vars = state
+    else:
+        trainable, non_trainable, metrics_vars = state
+        optimizer_vars = None
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+
+    def forward(trainable):
+        return model.compute_loss_and_updates(
+            trainable, non_trainable, metrics_vars, x, y, sample_weight,
+            training=training, optimizer_variables=optimizer_vars,
+        )
+
+    (_, aux), grads = differentiate(forward, trainable, training)
+    unscaled_loss, y_pred, non_trainable, metrics_vars = aux
+    if training:
+        trainable, optimizer_vars = model.optimizer.stateless_apply(
+            optimizer_vars, grads, trainable
+        )
+    logs, metrics_vars = model._update_metrics_variables(
         metrics_vars, unscaled_loss, x, y, y_pred, sample_weight
     )
+    if training:
+        return logs, (trainable, non_trainable, optimizer_vars, metrics_vars)
+    return logs, (trainable, non_trainable, metrics_vars)
+
+
+# JAX: values sown inside `compute_loss_and_updates` are tracers of the
+# differentiated trace; they leave it as one extra entry at the end of the
+# non-trainable list of its aux 4-tuple (3.15.1: backend/jax/trainer.py:60-96),
+# and are taken off the step's state before Keras sees it.
+_SMUGGLED = "__callscope_smuggled__"
+
+
+class AuxHook:
+    """Sees the JAX trainer's `compute_loss_and_updates`, the forward pass that
+    `value_and_grad` differentiates. The model class provides
+    `_cs_loss_and_updates(call, *args, **kwargs) -> (loss, aux, extra or None)`."""
+
+    def compute_loss_and_updates(self, *args, **kwargs):
+        parent = super().compute_loss_and_updates
+        loss, aux, extra = self._cs_loss_and_updates(parent, *args, **kwargs)
+        if extra is None:
+            return loss, aux
+        unscaled_loss, y_pred, non_trainable, metrics = aux
+        return loss, (unscaled_loss, y_pred, [*non_trainable, {_SMUGGLED: extra}], metrics)
+
+
+def unsmuggle(result):
+    """`(result without the smuggled entry, the smuggled values or None)` for a
+    JAX step's `(main, state)` result."""
+    if not isinstance(result, tuple) or len(result) != 2:
+        return result, None
+    main, state = result
+    if not isinstance(state, tuple) or len(state) < 2 or not isinstance(state[1], list):
+        return result, None
+    non_trainable = state[1]
+    if non_trainable and isinstance(non_trainable[-1], dict) and _SMUGGLED in non_trainable[-1]:
+        return (main, (state[0], non_trainable[:-1], *state[2:])), non_trainable[-1][_SMUGGLED]
+    return result, None
+
+
+def replace_non_trainable(state, replacements, place):
+    """A JAX step's state (`(trainable, non_trainable, ...)`, 3.15.1:
+    backend/jax/trainer.py:_get_jax_state) with `non_trainable[i]` replaced by
+    `place(value, old)` for each `(i, value)`."""
+    trainable, non_trainable, *rest = state
+    non_trainable = list(non_trainable)
+    for index, value in replacements:
+        non_trainable[index] = place(value, non_trainable[index])
+    return (trainable, non_trainable, *rest)
 
 
 # --------------------------------------------------------------------------

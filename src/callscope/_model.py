@@ -104,7 +104,7 @@ def _rebase_on_functional(cls):
         return Functional
     if cls is object or not issubclass(cls, Model) or issubclass(cls, _Functional):
         return cls
-    cls.__bases__ = tuple(_rebase_on_functional(base) for base in cls.__bases__)
+    _keras_compat.rebase(cls, tuple(_rebase_on_functional(base) for base in cls.__bases__))
     return cls
 
 

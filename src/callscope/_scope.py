@@ -49,7 +49,9 @@ class Frame:
     keyed: frozenset = frozenset()
 
 
-_FRAME: contextvars.ContextVar[Frame] = contextvars.ContextVar("callscope_frame", default=Frame())
+_ROOT = Frame()  # immutable: safe as a ContextVar default
+_FRAME: contextvars.ContextVar[Frame] = contextvars.ContextVar(
+    "callscope_frame", default=_ROOT)  # noqa: B039
 _CAPTURES: contextvars.ContextVar[tuple] = contextvars.ContextVar("callscope_captures", default=())
 _PATCHES: contextvars.ContextVar[tuple] = contextvars.ContextVar("callscope_patches", default=())
 _RUNS: contextvars.ContextVar[tuple] = contextvars.ContextVar("callscope_runs", default=())

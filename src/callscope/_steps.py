@@ -23,31 +23,22 @@ from __future__ import annotations
 
 import keras
 
-from callscope import _collector, _keras_compat
-from callscope._collector import OUTPUTS, SOWN
+from callscope import _grads, _keras_compat, _record
+from callscope._record import OUTPUTS, SOWN
 
 BACKEND = keras.backend.backend()
 _JAX = BACKEND == "jax"
-_SMUGGLED = "__callscope_smuggled__"
-
-
-def smuggle(aux, values):
-    unscaled_loss, y_pred, non_trainable, metrics = aux
-    return unscaled_loss, y_pred, [*non_trainable, {_SMUGGLED: values}], metrics
 
 
 def unsmuggle(result, collector):
-    """Takes smuggled records off a JAX step's state and gives them to `collector`."""
-    if not _JAX or not isinstance(result, tuple) or len(result) != 2:
+    """Takes sown values smuggled out of JAX's `value_and_grad` off a step's state
+    (see `_keras_compat.AuxHook`) and gives them to `collector`."""
+    if not _JAX:
         return result
-    main, state = result
-    if not isinstance(state, tuple) or len(state) < 2 or not isinstance(state[1], list):
-        return result
-    non_trainable = state[1]
-    if non_trainable and isinstance(non_trainable[-1], dict) and _SMUGGLED in non_trainable[-1]:
-        collector.merge(non_trainable[-1][_SMUGGLED])
-        state = (state[0], non_trainable[:-1], *state[2:])
-    return main, state
+    result, smuggled = _keras_compat.unsmuggle(result)
+    if smuggled:
+        collector.merge(smuggled)
+    return result
 
 
 def attach(kind, result, sown):
@@ -117,128 +108,17 @@ def check_capture_supported(model, method, specs=()):
 
 
 # --------------------------------------------------------------------------
-# Gradients with respect to intermediates
+# Gradients with respect to intermediates (per backend: `_grads`)
 # --------------------------------------------------------------------------
-# TensorFlow: an outer persistent tape around the whole step records the forward
-#   pass; the loss hook keeps the loss; after the step, one `tape.gradient` call.
-# torch: the loss hook calls `torch.autograd.grad(loss, sources, retain_graph=True)`
-#   before the step's own `backward()`; evaluate re-enables grad (Keras runs test
-#   steps under `no_grad`).
-# JAX: a library-owned step differentiates the loss with respect to zero
-#   perturbations added to each source, found by `jax.eval_shape`, in the same
-#   `value_and_grad` as the weights: one forward pass.
 def loss_hook(loss):
-    """Called with every loss a step computes; takes intermediate gradients."""
-    collector = _collector.active_collector()
-    if collector is None or not collector.wants_grads or collector.manual or loss is None or _JAX:
+    """Called with every loss a step computes (`_keras_compat.LossHook`)."""
+    collector = _record.active_collector()
+    if collector is None or not collector.wants_grads or collector.manual or loss is None:
         return loss
-    collector.loss = loss
-    if BACKEND == "torch":
-        import torch
-
-        sources = collector.grad_source_list()
-        tensors = [t for _, t in sources]
-        grads = torch.autograd.grad(loss, tensors, retain_graph=True, allow_unused=True)
-        collector.add_grads({
-            name: (torch.zeros_like(t) if g is None else g).detach()
-            for (name, t), g in zip(sources, grads)
-        })
-        collector.grad_sources.clear()
+    _grads.impl.at_loss(collector, loss)
     return loss
 
 
 def step_with_grads(model, kind, step, args, kwargs, collector):
     """Runs one train/test step and files d loss / d source for every grad source."""
-    if BACKEND == "tensorflow":
-        import tensorflow as tf
-
-        with tf.GradientTape(persistent=True) as tape:
-            collector.on_grad_source = lambda v: (tape.watch(v), v)[1]
-            result = step(model, *args, **kwargs)
-        _require_loss(collector, kind)
-        sources = collector.grad_source_list()
-        grads = tape.gradient(collector.loss, [t for _, t in sources],
-                              unconnected_gradients=tf.UnconnectedGradients.ZERO)
-        collector.add_grads({name: g for (name, _), g in zip(sources, grads)})
-        return result
-    if BACKEND == "torch":
-        import torch
-
-        with torch.enable_grad():
-            result = step(model, *args, **kwargs)
-        _require_loss(collector, kind)
-        return result
-    if not _keras_compat.is_stock_jax_step(model, kind):
-        raise ValueError(
-            f"cs.capture(kinds=('grad',)) on JAX differentiates through callscope's own "
-            f"copy of Keras's {kind}_step, and `{type(model).__name__}` overrides "
-            f"`{kind}_step`. Inside your own stateless step, use "
-            "`cs.intermediate_grads(model, loss_fn, ...)`. Received: a custom "
-            f"{kind}_step"
-        )
-    return _jax_step_with_grads(model, kind, args[0], args[1], collector)
-
-
-def _require_loss(collector, kind):
-    if collector.loss is None:
-        raise ValueError(
-            f"cs.capture(kinds=('grad',)) found no loss in this {kind}_step: it takes "
-            "d loss / d point from the loss that `compute_loss` returns. A custom step "
-            "must compute its loss with `self.compute_loss(...)`. Received: no "
-            "compute_loss call"
-        )
-
-
-def _jax_step_with_grads(model, kind, state, data, collector):
-    import jax
-    import jax.numpy as jnp
-
-    training = kind == "train"
-    if training:
-        trainable, non_trainable, optimizer_vars, metrics_vars = state
-    else:
-        trainable, non_trainable, metrics_vars = state
-        optimizer_vars = None
-    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-
-    def forward(trainable, perturbations):
-        previous = collector.perturbations
-        collector.perturbations = perturbations
-        collector.grad_sources = {}
-        try:
-            return model.compute_loss_and_updates(
-                trainable, non_trainable, metrics_vars, x, y, sample_weight,
-                training=training, optimizer_variables=optimizer_vars,
-            )
-        finally:
-            collector.perturbations = previous
-
-    def probe(trainable):
-        with _collector.collecting_for(collector.specs) as inner:
-            model.compute_loss_and_updates(
-                trainable, non_trainable, metrics_vars, x, y, sample_weight,
-                training=training, optimizer_variables=optimizer_vars,
-            )
-            return dict(inner.grad_source_list())
-
-    shapes = jax.eval_shape(probe, trainable)
-    zeros = {name: jnp.zeros(s.shape, s.dtype) for name, s in shapes.items()}
-    if training:
-        grad_fn = jax.value_and_grad(forward, argnums=(0, 1), has_aux=True)
-        (loss, aux), (grads, source_grads) = grad_fn(trainable, zeros)
-    else:
-        grad_fn = jax.value_and_grad(lambda p: forward(trainable, p), has_aux=True)
-        (loss, aux), source_grads = grad_fn(zeros)
-    collector.grad_sources = {}
-    collector.add_grads(source_grads)
-    unscaled_loss, y_pred, non_trainable, metrics_vars = aux
-    if training:
-        trainable, optimizer_vars = model.optimizer.stateless_apply(
-            optimizer_vars, grads, trainable
-        )
-    logs, metrics_vars = _keras_compat.update_jax_metrics(
-        model, metrics_vars, unscaled_loss, x, y, y_pred, sample_weight
-    )
-    if training:
-        return logs, (trainable, non_trainable, optimizer_vars, metrics_vars)
-    return logs, (trainable, non_trainable, metrics_vars)
+    return _grads.impl.step_with_grads(model, kind, step, args, kwargs, collector)

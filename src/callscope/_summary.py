@@ -9,18 +9,19 @@ the context arguments each layer receives, and the values it sows.
 
 from __future__ import annotations
 
-from callscope import _collector, _keras_compat
+from callscope import _keras_compat, _record
+from callscope._points import Spec
 
-_EVERYTHING = _collector.Spec(select=lambda point, layer: True, kinds=("output",), stats=None,
+_EVERYTHING = Spec(select=lambda point, layer: True, kinds=("output",), stats=None,
                             bins=1, hist_range=None)
 
 
 def _run(model, x):
     if not model.built:
-        with _collector.collecting_for(()):  # a plain call: builds, records nothing
+        with _record.collecting_for(()):  # a plain call: builds, records nothing
             model(x, training=False)  # layer paths are set on build
-    _collector.install_wrappers(model)
-    with _collector.collecting_for((_EVERYTHING,)) as collector:
+    _record.install_wrappers(model)
+    with _record.collecting_for((_EVERYTHING,)) as collector:
         model(x, training=False)
     return collector.tree
 

@@ -72,7 +72,7 @@ def _positive(text):
 
 
 def _check_choices(parser, args):
-    from callscope._capture import KINDS
+    from callscope._points import KINDS
     from callscope._reduce import STATS
 
     for stat in args.reduce.split(","):

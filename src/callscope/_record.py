@@ -13,60 +13,26 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import fnmatch
 import inspect
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import keras
 from keras import ops
 
 from callscope import _keras_compat, _reduce
+from callscope._points import Spec, key_name, point_of
 
 SOWN = "__callscope_sown__"
 OUTPUTS = "__callscope_outputs__"
-KINDS = ("output", "input", "grad")
 _COLLECTOR: contextvars.ContextVar = contextvars.ContextVar("callscope_collector", default=None)
 _ACTIVE_PATCHES: contextvars.ContextVar = contextvars.ContextVar("callscope_patching",
                                                                  default=None)
 _TORCH = keras.backend.backend() == "torch"
 
 # --------------------------------------------------------------------------
-# Specs and the in-step collector
+# The in-step collector
 # --------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Spec:
-    """What one capture selects: hashable, so it can be part of a compiled key."""
-
-    select: tuple[str, ...] | Callable | None
-    kinds: tuple[str, ...]
-    stats: tuple[str, ...] | None
-    bins: int
-    hist_range: tuple[float, float] | None
-    ranges: tuple = ()  # ((key, lo, hi), ...) taken from the first batch
-
-    def selects(self, point: str, layer: Any, sown: bool) -> bool:
-        if self.select is None:
-            return sown
-        if callable(self.select):
-            return bool(self.select(point, layer))
-        return any(fnmatch.fnmatchcase(point, pattern) for pattern in self.select)
-
-    def wants_layers(self) -> bool:
-        return self.select is not None
-
-    def range_for(self, key: str) -> tuple[float, float]:
-        if self.hist_range is not None:
-            return self.hist_range
-        for name, lo, hi in self.ranges:
-            if name == key:
-                return lo, hi
-        if self.ranges:  # a point first seen after the first batch
-            return min(r[1] for r in self.ranges), max(r[2] for r in self.ranges)
-        return -1.0, 1.0
-
-
 class Collector:
     """Records what the active specs select, during one step or one eager call."""
 
@@ -131,7 +97,7 @@ class Collector:
             index, point, kind = name.split("|")
             spec = self.specs[int(index)]
             for i, value in enumerate(values):
-                key = f"{point}@{i}:{kind}" if len(values) > 1 else f"{point}:{kind}"
+                key = key_name(point, kind, i, len(values))
                 if spec.stats:
                     out[f"{index}|{key}"] = _reduce.partials(
                         value, spec.stats, spec.bins, spec.range_for(key)
@@ -257,16 +223,12 @@ def sow(layer: keras.layers.Layer, name: str, value: Any) -> Any:
 # --------------------------------------------------------------------------
 # Wrapping the `call` of selected layers for the duration of a run
 # --------------------------------------------------------------------------
-def point_of(layer) -> str:
-    return getattr(layer, "path", None) or layer.name
-
-
 def _is_input_layer(layer) -> bool:
     return isinstance(layer, keras.layers.InputLayer)
 
 
 def install_wrappers(model) -> None:
-    """Puts a recording wrapper in `layer.__dict__["call"]` of every layer, once.
+    """Puts a recording wrapper in the instance attribute `call` of every layer, once.
 
     `Operation.__call__` calls `self.call`, so an instance attribute shadows the
     method. The wrapper stays: it consults the collector and patches of the run in
@@ -276,7 +238,8 @@ def install_wrappers(model) -> None:
     signature, so Keras code that inspects `layer.call` sees the real one.
     """
     for layer in _keras_compat.flatten_layers(model):
-        if _is_input_layer(layer) or isinstance(layer.__dict__.get("call"), RecordingCall):
+        wrapper = _keras_compat.get_instance_attribute(layer, "call")
+        if _is_input_layer(layer) or isinstance(wrapper, RecordingCall):
             continue
         _keras_compat.set_instance_call(layer, RecordingCall(layer, layer.call))
 

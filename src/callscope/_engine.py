@@ -1,0 +1,392 @@
+"""The engine: one run per call, and the compiled functions of each key.
+
+Each public call (`fit`, `evaluate`, `predict`, the `*_on_batch` methods; a direct
+`model(x)` in `_mixin.py`) makes one `Run` (`_run.py`) from the caller's scopes and
+its keyword arguments, and holds it in a `ContextVar` while Keras runs. Nothing about
+the call is written to the model:
+
+- Keras reads and writes `self.train_function`/`test_function`/`predict_function`.
+  Here they are data descriptors that resolve through the run in effect to the
+  `KeyTable` entry of its key (`_keys.py`), so two threads with different keys each
+  get their own compiled functions, with no swap and no lock across Keras's loop.
+- `train_step`/`test_step`/`predict_step` are shadowed once, on the instance, by a
+  dispatcher that calls the key's fresh step closure. The closure enters exactly the
+  key's values *inside* the traced step (a sealed frame, `_scope.py`), which reaches
+  the replica threads of `tf.distribute` and leaves user-overridden steps unchanged.
+- Dynamic values travel with the run: substituted into the JAX state of each step,
+  or assigned to a hidden variable for the length of one compiled call on
+  TensorFlow and torch. They are never weights.
+- On JAX, calls are serialised by one gate, opened around every callback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import keras
+import numpy as np
+
+from callscope import _backend, _keras_compat, _keys, _record, _scope, _steps
+from callscope._capturing import CAPTURE, PATCH, CaptureMixin, first_batch_of
+from callscope._logger import EpochStatistics
+from callscope._run import Gate, Run, with_gate_callbacks
+
+DEFAULT_CACHE_SIZE = 8
+_KINDS = _keys.KINDS
+_JAX = keras.backend.backend() == "jax"
+# JAX: stock Keras purges a model's variables while its loop runs, so calls are
+# serialised (one gate for all models: layers can be shared between models).
+GATE = Gate() if _JAX else None
+
+
+class _State:
+    """callscope's per-model registry: names, compiled functions, known points.
+
+    It holds what is true of the model, never of one call.
+    """
+
+    def __init__(self, model):
+        self.static: dict[str, None] = {}
+        self.dynamic: dict[str, keras.Variable | None] = {}
+        self.lock = threading.RLock()  # registration only; never held across a call
+        self.unbaked = False
+        self.declared: frozenset | None = None  # names declared by sublayers
+        self.patch_hits: set[str] = set()  # patched points seen in traces
+        self.seen: dict[str, None] = {}  # points seen in traces, for error messages
+        self.replica_lock = threading.Lock()  # tf.distribute: replica threads see no
+        self.replica_entry = None  # contextvars, so the tracing call's entry is here
+        self.dynamic_lock = threading.Lock()  # TF/torch: one assign-and-call at a time
+        self.make_lock = threading.RLock()  # make_*_function reads the step once
+
+    @property
+    def names(self) -> set[str]:
+        return set(self.static) | set(self.dynamic)
+
+
+class _PerKeyFunction:
+    """`self.<kind>_function`, resolved through the run in effect (see above)."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+
+    def __get__(self, model, owner=None):
+        if model is None:
+            return self
+        return model._cs_entry_now().functions[self.kind]
+
+    def __set__(self, model, value):
+        model._cs_entry_now().functions[self.kind] = value
+
+
+class _StepDispatch:
+    """Shadows `<kind>_step` on the instance: calls the step closure of the key in
+    effect. Holds the model as an attribute (not a closure), so deep copies rebind."""
+
+    def __init__(self, model, kind: str):
+        self.model = model
+        self.kind = kind
+
+    def __call__(self, *args, **kwargs):
+        model = self.model
+        run = _scope.run_of(model)
+        entry = run.entry if run is not None else (model._cs.replica_entry
+                                                   or model._cs_table().default)
+        return entry.steps[self.kind](*args, **kwargs)
+
+
+def _step_closure(model, kind, values, specs, patches=()):
+    """A fresh callable over `type(model).<kind>_step` that enters `values`.
+
+    New per key on purpose: JAX keys its trace cache on the callable. Everything it
+    reads is fixed by `values`, `specs` and `patches`: the frame it enters is sealed,
+    so a scope value outside the key cannot leak into the trace. With capture
+    specs, it collects inside the step and returns the records as extra outputs.
+    """
+    step = getattr(type(model), f"{kind}_step")
+
+    def scoped_step(*args, **kwargs):
+        with _scope.pushed(_scope.sealed(values)), _record.patching(patches) as active:
+            if not specs:
+                result = step(model, *args, **kwargs)
+                model._cs.patch_hits.update(active.hits if active else ())
+                return result
+            with _record.collecting_for(specs) as collector:
+                if collector.wants_grads and kind != "predict":
+                    result = _steps.step_with_grads(model, kind, step, args, kwargs, collector)
+                else:
+                    result = step(model, *args, **kwargs)
+                result = _steps.unsmuggle(result, collector)
+                model._cs.patch_hits.update(active.hits if active else ())
+                model._cs.seen.update(dict.fromkeys(p for _, p, _, _, _ in collector.tree))
+                return _steps.attach(kind, result, collector.finalize())
+
+    scoped_step.__name__ = f"{kind}_step"
+    return scoped_step
+
+
+def _marked(key: tuple, mark: str) -> tuple:
+    return next((item[1] for item in key if item[0] == mark), ())
+
+
+class Engine(CaptureMixin):
+    """The entry points of `ContextMixin` (see the module docstring).
+
+    Attributes:
+        context_cache_size: how many distinct non-default keys keep their compiled
+            functions (LRU, default 8). Past that, the least recently used key that
+            no running call uses is evicted with a warning, and retraces when it
+            comes back.
+    """
+
+    context_cache_size: int = DEFAULT_CACHE_SIZE
+    train_function = _PerKeyFunction("train")
+    test_function = _PerKeyFunction("test")
+    predict_function = _PerKeyFunction("predict")
+
+    def _cs_table(self) -> _keys.KeyTable:
+        table = _keras_compat.get_instance_attribute(self, "_callscope_table")
+        if table is None:
+            table = _keys.KeyTable(self._cs_make_steps)
+            table.default.steps = self._cs_make_steps((), {})
+            _keras_compat.set_instance_attribute(self, "_callscope_table", table)
+        return table
+
+    def _cs_make_steps(self, key: tuple, values: Mapping) -> dict:
+        specs, patches = _marked(key, CAPTURE), _marked(key, PATCH)
+        return {kind: _step_closure(self, kind, dict(values), specs, patches) for kind in _KINDS}
+
+    def _cs_entry_now(self) -> _keys.Entry:
+        run = _scope.run_of(self)
+        return run.entry if run is not None else self._cs_table().default
+
+    def _cs_install_steps(self) -> None:
+        for kind in _KINDS:
+            name = f"{kind}_step"
+            if not isinstance(_keras_compat.get_instance_attribute(self, name), _StepDispatch):
+                _keras_compat.set_instance_attribute(self, name, _StepDispatch(self, kind))
+
+    def _cs_check_stray(self) -> None:
+        """A scope value that a sublayer declares but this model's key would not hold
+        would be frozen into (or silently missing from) the compiled function."""
+        state = self._cs
+        if state.declared is None:
+            if not self.built:
+                return
+            declared = set()
+            for layer in _keras_compat.flatten_layers(self):
+                declared |= _keras_compat.registered_call_context_args(layer)
+            state.declared = frozenset(declared - {"training"})
+        values = _scope.frame().values
+        for name in state.declared:
+            if name not in state.static and name not in state.dynamic \
+                    and values.get(name) is not None:
+                raise _scope.StrayValueError(
+                    _scope.STRAY_VALUE.format(name=name, value=values[name])
+                    .replace("the model that compiles the function",
+                             f"`{type(self).__name__}` (which compiles the function)")
+                )
+
+    def _cs_dynamic_variable(self, name: str, value: Any) -> tuple[keras.Variable, np.ndarray]:
+        """The hidden variable of dynamic `name` (made at its first value), and the
+        value as an array of its dtype and shape."""
+        state = self._cs
+        variable = state.dynamic.get(name)
+        array = np.asarray(keras.ops.convert_to_numpy(value))
+        with state.lock:
+            variable = state.dynamic.get(name)
+            if variable is None:
+                dtype = keras.config.floatx() if array.dtype.kind == "f" else str(array.dtype)
+                strategy = getattr(self, "distribute_strategy", None)
+                scope = strategy.scope() if strategy is not None else contextlib.nullcontext()
+                with scope:
+                    variable = keras.Variable(array.astype(dtype), trainable=False,
+                                              name=f"callscope_{name}")
+                _keras_compat.add_hidden_state(self, variable)
+                state.dynamic[name] = variable
+        if tuple(variable.shape) != array.shape:
+            raise ValueError(
+                f"Dynamic context argument `{name}` keeps the shape of its first value, "
+                f"{tuple(variable.shape)}, so that it never retraces. Pass values of "
+                f"that shape. Received: {name} with shape {array.shape}"
+            )
+        return variable, array.astype(variable.dtype)
+
+    def _cs_run(self, method: str, args: tuple, kwargs: dict) -> Any:
+        state = self._cs
+        given = self._cs_split(method, kwargs, _keras_method_parameters(type(self), method))
+        captures = _scope.captures_for(self)
+        patches = _scope.patches_for(self)
+        self._cs_check_stray()
+        values = self._cs_resolve(given)
+        dynamic = []
+        for name in state.dynamic:
+            if name in values:
+                variable, array = self._cs_dynamic_variable(name, values[name])
+                values[name] = variable
+                dynamic.append((variable, array))
+        key = _keys.static_key(values, set(state.static))
+        if captures:
+            _steps.check_capture_supported(self, method, tuple(c.spec for c in captures))
+        if captures or patches:
+            specs = self._cs_prepare_capture(captures, first_batch_of(args, kwargs))
+            if specs:
+                key = (*key, (CAPTURE, specs))
+            if patches:
+                key = (*key, (PATCH, patches))
+        # Names this model registered but that are not set are blanked out, so an
+        # outer scope's value cannot reach a trace of another key.
+        frame = _scope.overlay({**dict.fromkeys(state.names), **values}, keyed=True)
+        table = self._cs_table()
+        entry = table.acquire(key, values, self.context_cache_size)
+        try:
+            self._cs_install_steps()
+            nested = _scope.run_of(self) is not None
+            calls = tuple(c._begin(method, nested) for c in captures)
+            if dynamic and _JAX:
+                positions = {id(v): i for i, v in enumerate(self.non_trainable_variables)}
+                dynamic = [(positions[id(v)], a) for v, a in dynamic]
+            run = Run(self, method, entry, tuple(dynamic), calls, patches, nested)
+            logging = next((i for i, c in enumerate(captures) if c.log), None)
+            if method == "fit" and logging is not None:
+                user = list(kwargs.get("callbacks") or [])
+                kwargs["callbacks"] = [EpochStatistics(calls[logging], user), *user]
+            if GATE is not None and method in ("fit", "evaluate", "predict"):
+                kwargs["callbacks"] = with_gate_callbacks(kwargs.get("callbacks"), GATE, self)
+            return self._cs_call_keras(method, run, frame, args, kwargs)
+        finally:
+            table.release(entry)
+
+    def _cs_call_keras(self, method, run, frame, args, kwargs):
+        snapshot = _keras_compat.snapshot_variable_values(self)
+        if GATE is not None:
+            GATE.enter()
+        try:
+            with _scope.pushed(frame), _scope.running(run):
+                return getattr(super(), method)(*args, **kwargs)
+        except BaseException:
+            _keras_compat.restore_purged_values(self, snapshot)
+            raise
+        finally:
+            if GATE is not None:
+                GATE.exit()
+
+    def fit(self, *args, **kwargs):
+        return self._cs_run("fit", args, kwargs)
+
+    def evaluate(self, *args, **kwargs):
+        return self._cs_run("evaluate", args, kwargs)
+
+    def predict(self, *args, **kwargs):
+        return self._cs_run("predict", args, kwargs)
+
+    def train_on_batch(self, *args, **kwargs):
+        return self._cs_run("train_on_batch", args, kwargs)
+
+    def test_on_batch(self, *args, **kwargs):
+        return self._cs_run("test_on_batch", args, kwargs)
+
+    def predict_on_batch(self, *args, **kwargs):
+        return self._cs_run("predict_on_batch", args, kwargs)
+
+    def _cs_wrap_function(self, kind: str):
+        entry = self._cs_entry_now()
+        function = entry.functions[kind]
+        if function is None or isinstance(function, _RunFunction):
+            return function
+        wrapped = entry.functions[kind] = _RunFunction(self, kind, function)
+        return wrapped
+
+    def _cs_make(self, kind: str, make, force: bool):
+        # JAX's trainer reads `self.<kind>_step` once, at make time, and keys its
+        # trace cache on that callable: it must see the key's own closure then.
+        # TF and torch read it at trace or call time, through the dispatcher.
+        name = f"{kind}_step"
+        with self._cs.make_lock:
+            dispatcher = _keras_compat.get_instance_attribute(self, name)
+            if _JAX and isinstance(dispatcher, _StepDispatch):
+                _keras_compat.set_instance_attribute(
+                    self, name, self._cs_entry_now().steps[kind])
+            try:
+                make(force=force)
+            finally:
+                if _JAX and isinstance(dispatcher, _StepDispatch):
+                    _keras_compat.set_instance_attribute(self, name, dispatcher)
+        return self._cs_wrap_function(kind)
+
+    def make_train_function(self, force=False):
+        return self._cs_make("train", super().make_train_function, force)
+
+    def make_test_function(self, force=False):
+        return self._cs_make("test", super().make_test_function, force)
+
+    def make_predict_function(self, force=False):
+        return self._cs_make("predict", super().make_predict_function, force)
+
+    def compile(self, *args, **kwargs):
+        # A new compile invalidates every key's functions (Keras resets its own).
+        self._cs_table().clear()
+        return super().compile(*args, **kwargs)
+
+    def compile_from_config(self, config):
+        # Keras skips compiling on load when `compile` is overridden
+        # (trainer.py:1003); ours only clears the cache, so compile as stock does,
+        # unless the user's own `compile` takes other arguments: then warn and
+        # load uncompiled, as stock Keras does for any overridden `compile`.
+        return _keras_compat.compile_from_config(self, config, Engine.compile)
+
+
+class _RunFunction:
+    """Wraps a made `*_function`: puts the run's dynamic values in, and takes its
+    captured values out before Keras's loop sees them.
+
+    It reads the run from the caller's context, so the same compiled function
+    serves every run of its key, each with its own values and sinks.
+    """
+
+    def __init__(self, model, kind: str, function):
+        self.model, self.kind, self.__wrapped__ = model, kind, function
+
+    def __call__(self, *args, **kwargs):
+        model, function = self.model, self.__wrapped__
+        run = _scope.run_of(model)
+        if run is not None and run.dynamic and _JAX:
+            state = _keras_compat.replace_non_trainable(args[0], run.dynamic, _backend.place_like)
+            args = (state, *args[1:])
+        with contextlib.ExitStack() as stack:
+            state = model._cs
+            if run is not None and _keras_compat.replicas(model) > 1:
+                # Replica threads see no contextvars: they find the entry here.
+                stack.enter_context(state.replica_lock)
+                state.replica_entry = run.entry
+                stack.callback(setattr, state, "replica_entry", None)
+            if run is not None and run.dynamic and not _JAX:
+                stack.enter_context(state.dynamic_lock)
+                for variable, array in run.dynamic:
+                    variable.assign(array)
+            result = function(*args, **kwargs)
+        return _steps.pop_sown(self.kind, result, run)
+
+
+_PARAMETER_CACHE: dict = {}
+
+
+def _keras_method_parameters(cls, method) -> set[str] | None:
+    """The keywords Keras's own `method` accepts (None: anything goes)."""
+    key = (cls, method)
+    if key not in _PARAMETER_CACHE:
+        base = next(c for c in cls.__mro__ if not issubclass(c, Engine)
+                    and not c.__module__.startswith("callscope."))
+        params = inspect.signature(getattr(base, method)).parameters
+        names = {n for n, p in params.items() if p.kind is not p.VAR_KEYWORD}
+        if method == "evaluate":
+            names |= _keras_compat.PRIVATE_EVALUATE_ARGUMENTS  # fit's validation
+        elif any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            names = None
+        _PARAMETER_CACHE[key] = names
+    return _PARAMETER_CACHE[key]
+
+

@@ -1,0 +1,71 @@
+"""Points: what a capture or patch can name, and how a capture selects them.
+
+A *point* is a layer (named by where it sits in the model, its Keras `layer.path`)
+or a value sown in a layer's `call` (`layer.path + "/" + name`). A *key* is
+`point:kind` (kind `output`, `input` or `grad`), with `@i` when one point runs
+several times in a step. A `Spec` is what one capture selects; it is hashable, so
+it can be part of a compiled function's key.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+KINDS = ("output", "input", "grad")
+
+
+def point_of(layer) -> str:
+    """A layer's point (read per call: `path` is set when the layer builds)."""
+    return getattr(layer, "path", None) or layer.name
+
+
+def key_name(point: str, kind: str, index: int, count: int) -> str:
+    """The key of the `index`-th of `count` runs of `point` in one step."""
+    return f"{point}@{index}:{kind}" if count > 1 else f"{point}:{kind}"
+
+
+def normalize_select(select) -> tuple[str, ...] | Callable | None:
+    """A glob, a list of globs, or a callable; raises a clear error otherwise."""
+    if isinstance(select, str):
+        return (select,)
+    if isinstance(select, list):
+        select = tuple(select)
+    if select is not None and not callable(select):
+        if not isinstance(select, tuple) or not all(isinstance(s, str) for s in select):
+            raise TypeError(
+                "`select` takes a glob, a list of globs or a callable (point, layer) -> "
+                f"bool. Received: select={select!r}"
+            )
+    return select
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What one capture selects: hashable, so it can be part of a compiled key."""
+
+    select: tuple[str, ...] | Callable | None
+    kinds: tuple[str, ...]
+    stats: tuple[str, ...] | None
+    bins: int
+    hist_range: tuple[float, float] | None
+    ranges: tuple = ()  # ((key, lo, hi), ...) taken from the first batch
+
+    def selects(self, point: str, layer: Any, sown: bool) -> bool:
+        if self.select is None:
+            return sown
+        if callable(self.select):
+            return bool(self.select(point, layer))
+        return any(fnmatch.fnmatchcase(point, pattern) for pattern in self.select)
+
+    def range_for(self, key: str) -> tuple[float, float]:
+        if self.hist_range is not None:
+            return self.hist_range
+        for name, lo, hi in self.ranges:
+            if name == key:
+                return lo, hi
+        if self.ranges:  # a point first seen after the first batch
+            return min(r[1] for r in self.ranges), max(r[2] for r in self.ranges)
+        return -1.0, 1.0
