@@ -574,3 +574,139 @@ def test_values_reach_callbacks_and_nested_calls_inherit_them():
               validation_data=(X, Y))
     model.fit(X, Y, epochs=1, verbose=0, callbacks=[Reads()])
     assert seen == ["x", None]
+
+
+# --------------------------------------------------------------------------
+# Found by review
+# --------------------------------------------------------------------------
+def test_two_threads_evaluating_one_model_get_their_own_metrics():
+    model = _seq()
+    targets = {"a": np.zeros((8, 2), "float32"), "b": np.full((8, 2), 100.0, "float32")}
+    reference = {k: model.evaluate(X, y, batch_size=2, verbose=0) for k, y in targets.items()}
+    got = {"a": [], "b": []}
+
+    def caller(k):
+        return lambda: got[k].extend(model.evaluate(X, targets[k], batch_size=2, verbose=0)
+                                     for _ in range(4))
+
+    _in_threads(caller("a"), caller("b"))
+    for k, values in got.items():
+        np.testing.assert_allclose(values, [reference[k]] * 4, rtol=1e-5)
+
+
+def test_a_nested_call_never_sees_another_calls_dynamic_value():
+    model = _scaled()
+    reference = model.evaluate(X, Y, temperature=2.0, verbose=0)
+    seen = []
+
+    class Other(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            self.model.predict(X[:2], temperature=5.0, verbose=0)
+
+        def on_test_begin(self, logs=None):
+            seen.append(float(numpy(cs.current("temperature"))))
+
+    history = model.fit(X, Y, temperature=2.0, batch_size=4, epochs=1, verbose=0,
+                        validation_data=(X, Y), callbacks=[Other()])
+    assert history.history["val_loss"][0] == pytest.approx(reference, rel=1e-5)
+    assert seen == [2.0]
+
+
+def test_a_data_worker_may_call_another_model_during_fit():
+    teacher, student = _seq("teacher"), _seq("student")
+
+    class Data(keras.utils.PyDataset):
+        def __len__(self):
+            return 2
+
+        def __getitem__(self, i):
+            x = X[i * 4:(i + 1) * 4]
+            return x, np.asarray(numpy(teacher(x)))
+
+    done = []
+    _in_threads(lambda: done.append(
+        student.fit(Data(workers=2, use_multiprocessing=False), epochs=1, verbose=0)))
+    assert done
+
+
+@cs.context_args("mode")
+class Refuses(keras.layers.Layer):
+    def call(self, x, mode=None):
+        if mode == "bad":
+            raise RuntimeError("bad mode")
+        return x
+
+
+def test_a_call_failing_while_another_runs_leaves_the_weights():
+    keras.utils.set_random_seed(0)
+    model = cs.Sequential([keras.Input((4,)), keras.layers.Dense(2, name="d"), Refuses()],
+                          name="s")
+    model.register_context_args("mode")
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+    reference = _dense(model, X)
+    started = threading.Event()
+
+    class Slow(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            started.set()
+            time.sleep(0.05)
+
+    def failing():
+        started.wait(60)
+        with pytest.raises(RuntimeError, match="bad mode"):
+            model.predict(X, mode="bad", verbose=0)
+
+    _in_threads(lambda: model.fit(X, Y, batch_size=1, epochs=1, verbose=0, callbacks=[Slow()]),
+                failing)
+    np.testing.assert_allclose(model.predict(X, verbose=0), reference, rtol=1e-5, atol=1e-6)
+
+
+def test_patches_and_captures_of_an_inner_model_apply_through_the_outer():
+    inner = cs.Sequential([keras.Input((4,)), keras.layers.Dense(2, name="d")], name="inner")
+    outer = cs.Sequential([keras.Input((4,)), inner], name="outer")
+    w, b = (numpy(v) for v in inner.get_layer("d").weights)
+    with cs.patch(inner, {"inner/d": keras.ops.zeros_like}):
+        np.testing.assert_allclose(outer.predict(X, verbose=0), 0.0)
+    with cs.capture(inner, "inner/d") as cap:
+        outer.predict(X, verbose=0)
+    np.testing.assert_allclose(cap["inner/d:output"], X @ w + b, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(outer.predict(X, verbose=0), X @ w + b, rtol=1e-5, atol=1e-6)
+
+
+class Reads(keras.layers.Layer):
+    def call(self, x):
+        return x + cs.current("shift", default=0.0)
+
+
+def test_a_name_read_in_a_trace_is_refused_later_whatever_the_order():
+    model = cs.Sequential([keras.Input((2,)), Reads()])
+    x = np.zeros((2, 2), "float32")
+    np.testing.assert_allclose(model.predict(x, verbose=0), 0.0)
+    with cs.context(shift=5.0):
+        with pytest.raises(cs_errors(), match=r"register_context_args\('shift'\).*shift=5"):
+            model.predict(x, verbose=0)
+    np.testing.assert_allclose(model.predict(x, verbose=0), 0.0)
+
+
+def cs_errors():
+    from callscope._scope import StrayValueError
+
+    return StrayValueError
+
+
+def test_a_direct_step_call_uses_the_callers_scope():
+    model = cs.Sequential([keras.Input((4,)), keras.layers.Dense(2), Shift()])
+    model.register_context_args("mode")
+
+    def step():
+        if BACKEND == "jax":
+            state = ([v.value for v in model.trainable_variables],
+                     [v.value for v in model.non_trainable_variables])
+            return numpy(model.predict_step(state, (X,))[0])
+        return numpy(model.predict_step((X,)))
+
+    base = step()
+    model.predict(X, verbose=0)
+    with cs.context(mode="a"):
+        np.testing.assert_allclose(step(), base + 1.0, rtol=1e-5)
+    np.testing.assert_allclose(step(), base, rtol=1e-5)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import threading
 from collections.abc import Callable, Mapping
 
 import numpy as np
@@ -46,13 +47,15 @@ class Capture(Mapping):
         self.calls: list[_sinks.Call] = []
         self._dir = os.fspath(to) if to is not None else None
         self._token = None
+        self._lock = threading.Lock()  # calls may start in copied contexts' threads
 
     def _begin(self, method: str, nested: bool) -> _sinks.Call:
         """A new call's sink (called by the model when a call starts)."""
-        directory = (None if self._dir is None
-                     else os.path.join(self._dir, f"call_{len(self.calls):03d}"))
-        call = _sinks.Call(self.spec, method, nested, directory)
-        self.calls.append(call)
+        with self._lock:
+            directory = (None if self._dir is None
+                         else os.path.join(self._dir, f"call_{len(self.calls):03d}"))
+            call = _sinks.Call(self.spec, method, nested, directory)
+            self.calls.append(call)
         return call
 
     def _top(self) -> list[_sinks.Call]:

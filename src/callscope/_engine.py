@@ -16,7 +16,9 @@ the call is written to the model:
 - Dynamic values travel with the run: substituted into the JAX state of each step,
   or assigned to a hidden variable for the length of one compiled call on
   TensorFlow and torch. They are never weights.
-- On JAX, calls are serialised by one gate, opened around every callback.
+- On JAX, the calls of one model are serialised by its gate, opened around every
+  callback. Calls with metrics (fit, evaluate, `*_on_batch`) of one model take
+  turns on every backend: Keras keeps metrics on the model.
 """
 
 from __future__ import annotations
@@ -38,9 +40,7 @@ from callscope._run import Gate, Run, with_gate_callbacks
 DEFAULT_CACHE_SIZE = 8
 _KINDS = _keys.KINDS
 _JAX = keras.backend.backend() == "jax"
-# JAX: stock Keras purges a model's variables while its loop runs, so calls are
-# serialised (one gate for all models: layers can be shared between models).
-GATE = Gate() if _JAX else None
+_WITH_METRICS = ("fit", "evaluate", "train_on_batch", "test_on_batch")
 
 
 class _State:
@@ -61,6 +61,10 @@ class _State:
         self.replica_entry = None  # contextvars, so the tracing call's entry is here
         self.dynamic_lock = threading.Lock()  # TF/torch: one assign-and-call at a time
         self.make_lock = threading.RLock()  # make_*_function reads the step once
+        self.metrics_lock = threading.RLock()  # fit/evaluate share the model's metrics
+        # JAX: stock Keras purges a model's variables while its loop runs, so the
+        # calls of one model take turns (the gate opens around callbacks).
+        self.gate = Gate() if _JAX else None
 
     @property
     def names(self) -> set[str]:
@@ -93,23 +97,25 @@ class _StepDispatch:
     def __call__(self, *args, **kwargs):
         model = self.model
         run = _scope.run_of(model)
-        entry = run.entry if run is not None else (model._cs.replica_entry
-                                                   or model._cs_table().default)
+        entry = run.entry if run is not None else model._cs.replica_entry
+        if entry is None:  # a direct call (a custom loop): the caller's scope applies
+            return getattr(type(model), f"{self.kind}_step")(model, *args, **kwargs)
         return entry.steps[self.kind](*args, **kwargs)
 
 
-def _step_closure(model, kind, values, specs, patches=()):
+def _step_closure(model, kind, values, specs, patches, reads):
     """A fresh callable over `type(model).<kind>_step` that enters `values`.
 
     New per key on purpose: JAX keys its trace cache on the callable. Everything it
     reads is fixed by `values`, `specs` and `patches`: the frame it enters is sealed,
-    so a scope value outside the key cannot leak into the trace. With capture
+    so a scope value outside the key cannot leak into the trace, and a name outside
+    the key that the trace looks up is kept in `reads` (checked at every call). With capture
     specs, it collects inside the step and returns the records as extra outputs.
     """
     step = getattr(type(model), f"{kind}_step")
 
     def scoped_step(*args, **kwargs):
-        with _scope.pushed(_scope.sealed(values)), _record.patching(patches) as active:
+        with _scope.pushed(_scope.sealed(values, reads)), _record.patching(patches) as active:
             if not specs:
                 result = step(model, *args, **kwargs)
                 model._cs.patch_hits.update(active.hits if active else ())
@@ -151,13 +157,13 @@ class Engine(CaptureMixin):
         table = _keras_compat.get_instance_attribute(self, "_callscope_table")
         if table is None:
             table = _keys.KeyTable(self._cs_make_steps)
-            table.default.steps = self._cs_make_steps((), {})
             _keras_compat.set_instance_attribute(self, "_callscope_table", table)
         return table
 
-    def _cs_make_steps(self, key: tuple, values: Mapping) -> dict:
+    def _cs_make_steps(self, key: tuple, values: Mapping, reads: set) -> dict:
         specs, patches = _marked(key, CAPTURE), _marked(key, PATCH)
-        return {kind: _step_closure(self, kind, dict(values), specs, patches) for kind in _KINDS}
+        return {kind: _step_closure(self, kind, dict(values), specs, patches, reads)
+                for kind in _KINDS}
 
     def _cs_entry_now(self) -> _keys.Entry:
         run = _scope.run_of(self)
@@ -215,13 +221,30 @@ class Engine(CaptureMixin):
             )
         return variable, array.astype(variable.dtype)
 
+    def _cs_scopes(self) -> tuple[tuple, tuple]:
+        """The caller's open captures and patches of this model or of a callscope
+        model inside it (its layers record wherever it is called from)."""
+        inside = None
+
+        def ours(model) -> bool:
+            nonlocal inside
+            if model is self:
+                return True
+            if inside is None:
+                inside = {id(layer) for layer in _keras_compat.flatten_layers(self)}
+            return id(model) in inside
+
+        return _scope.captures_where(ours), _scope.patches_where(ours)
+
     def _cs_run(self, method: str, args: tuple, kwargs: dict) -> Any:
         state = self._cs
         given = self._cs_split(method, kwargs, _keras_method_parameters(type(self), method))
-        captures = _scope.captures_for(self)
-        patches = _scope.patches_for(self)
+        captures, patches = self._cs_scopes()
         self._cs_check_stray()
         values = self._cs_resolve(given)
+        # The frame holds each dynamic value itself: callbacks and nested calls
+        # read this call's value, never what another call assigned last.
+        frame = _scope.overlay({**dict.fromkeys(state.names), **values}, keyed=True)
         dynamic = []
         for name in state.dynamic:
             if name in values:
@@ -236,13 +259,12 @@ class Engine(CaptureMixin):
             if specs:
                 key = (*key, (CAPTURE, specs))
             if patches:
+                _record.install_wrappers(self)
                 key = (*key, (PATCH, patches))
-        # Names this model registered but that are not set are blanked out, so an
-        # outer scope's value cannot reach a trace of another key.
-        frame = _scope.overlay({**dict.fromkeys(state.names), **values}, keyed=True)
         table = self._cs_table()
         entry = table.acquire(key, values, self.context_cache_size)
         try:
+            _scope.check_unkeyed(entry.reads, state.names)
             self._cs_install_steps()
             nested = _scope.run_of(self) is not None
             calls = tuple(c._begin(method, nested) for c in captures)
@@ -254,25 +276,38 @@ class Engine(CaptureMixin):
             if method == "fit" and logging is not None:
                 user = list(kwargs.get("callbacks") or [])
                 kwargs["callbacks"] = [EpochStatistics(calls[logging], user), *user]
-            if GATE is not None and method in ("fit", "evaluate", "predict"):
-                kwargs["callbacks"] = with_gate_callbacks(kwargs.get("callbacks"), GATE, self)
+            if state.gate is not None and method in ("fit", "evaluate", "predict"):
+                kwargs["callbacks"] = with_gate_callbacks(kwargs.get("callbacks"), state.gate,
+                                                          self)
             return self._cs_call_keras(method, run, frame, args, kwargs)
         finally:
             table.release(entry)
 
     def _cs_call_keras(self, method, run, frame, args, kwargs):
-        snapshot = _keras_compat.snapshot_variable_values(self)
-        if GATE is not None:
-            GATE.enter()
-        try:
-            with _scope.pushed(frame), _scope.running(run):
-                return getattr(super(), method)(*args, **kwargs)
-        except BaseException:
-            _keras_compat.restore_purged_values(self, snapshot)
-            raise
-        finally:
-            if GATE is not None:
-                GATE.exit()
+        state = self._cs
+        with contextlib.ExitStack() as stack:
+            if method in _WITH_METRICS:
+                # Keras keeps metrics on the model: two threads' fit/evaluate would
+                # reset and add to the same variables, so they take turns.
+                stack.enter_context(state.metrics_lock)
+            if state.gate is not None:
+                stack.enter_context(state.gate.held())
+            snapshot = _keras_compat.snapshot_variable_values(self)  # under the gate
+            try:
+                with _scope.pushed(frame), _scope.running(run):
+                    return getattr(super(), method)(*args, **kwargs)
+            except BaseException:
+                _keras_compat.restore_purged_values(self, snapshot)
+                raise
+
+    if _JAX:
+        def jax_state_sync(self):
+            # A callback that touches the weights while the gate is open for it
+            # takes the gate back first, so no other call purges them under it.
+            gate = self._cs.gate
+            gate.close()
+            with gate.held():
+                return super().jax_state_sync()
 
     def fit(self, *args, **kwargs):
         return self._cs_run("fit", args, kwargs)

@@ -90,21 +90,22 @@ def describe(key: tuple) -> str:
 class Entry:
     """The compiled functions and step closures of one key."""
 
-    def __init__(self, key: tuple, steps: dict):
+    def __init__(self, key: tuple, make_steps: Callable | None = None, values=None):
         self.key = key
         self.functions: dict[str, Any] = dict.fromkeys(KINDS)
-        self.steps = steps
+        self.reads: set[str] = set()  # names outside the key its traces looked up
+        self.steps = make_steps(key, values or {}, self.reads) if make_steps else {}
         self.users = 0  # running calls that use this entry (pins it)
 
 
 class KeyTable:
     """A bounded LRU of entries; the default key `()` is always kept."""
 
-    def __init__(self, make_steps: Callable[[tuple, dict], dict]):
+    def __init__(self, make_steps: Callable[[tuple, dict, set], dict]):
         self._make_steps = make_steps
         self._entries: collections.OrderedDict[tuple, Entry] = collections.OrderedDict()
         self._lock = threading.Lock()
-        self.default = Entry((), {})
+        self.default = Entry((), make_steps)
 
     def acquire(self, key: tuple, values: dict, limit: int) -> Entry:
         """The entry of `key`, made if new, and pinned until `release`."""
@@ -115,7 +116,7 @@ class KeyTable:
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:
-                entry = self._entries[key] = Entry(key, self._make_steps(key, values))
+                entry = self._entries[key] = Entry(key, self._make_steps, values)
                 free = [k for k, e in self._entries.items() if e.users == 0 and k != key]
                 while len(self._entries) > max(1, int(limit)) and free:
                     evicted.append(free.pop(0))

@@ -16,7 +16,7 @@ from typing import Any
 import keras
 
 from callscope import _backend, _keras_compat, _keys, _record, _scope
-from callscope._engine import GATE, Engine, _State
+from callscope._engine import Engine, _State
 
 _JAX_HOOKS = (_keras_compat.AuxHook,) if keras.backend.backend() == "jax" else ()
 
@@ -153,7 +153,7 @@ class ContextMixin(Engine, _keras_compat.LossHook, *_JAX_HOOKS):
         inside_step = (_record.active_collector() is not None
                        or _record.active_patches() is not None)
         if not symbolic and not inside_step:
-            captures, patches = _scope.captures_for(self), _scope.patches_for(self)
+            captures, patches = self._cs_scopes()
             if (captures or patches) and not (tracing and _scope.run_of(self) is not None):
                 # (A trace inside this model's own run, such as Keras's symbolic
                 # build, is not a call of its own.)
@@ -162,9 +162,8 @@ class ContextMixin(Engine, _keras_compat.LossHook, *_JAX_HOOKS):
                         what="cs.capture" if captures else "cs.patch",
                         model=type(self).__name__))
                 return self._cs_call_capturing(captures, patches, args, kwargs)
-        gated = GATE is not None and not symbolic and not tracing
-        if gated:
-            GATE.enter()
+        gate = state.gate if not symbolic and not tracing else None
+        token = gate.enter() if gate is not None else None
         try:
             if not state.names and not isinstance(self, _STRICT_KWARGS_CLASSES):
                 return super().__call__(*args, **kwargs)
@@ -176,8 +175,8 @@ class ContextMixin(Engine, _keras_compat.LossHook, *_JAX_HOOKS):
                 kwargs.update({n: _delivered(v) for n, v in values.items()})
                 return super().__call__(*args, **kwargs)
         finally:
-            if gated:
-                GATE.exit()
+            if gate is not None:
+                gate.exit(token)
 
     def stateless_call(
         self, trainable_variables, non_trainable_variables, *args, return_losses=False, **kwargs

@@ -14,13 +14,15 @@ purges a model's variables while its loop runs, so two concurrent calls would re
 None). It is never held while callbacks run: `GateReleasing` callbacks, first and
 last in the list, open it around every callback hook, after syncing the JAX state
 back into the variables, so a callback may wait on another thread's call into the
-same model.
+same model. A callback that touches the weights (`self.model`) takes the gate back
+first (`Engine.jax_state_sync`), so it never sees them purged by another call.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import keras
@@ -39,7 +41,6 @@ class Run:
     calls: tuple = ()  # one _capture.Call per open capture: this run's sinks
     patches: tuple = ()
     nested: bool = False  # another run of the same model is in progress below it
-    gated: list = field(default_factory=list)  # [depth] while this run holds the gate
 
     def sink(self, kind: str, sown) -> None:
         for name, value in sown.items():
@@ -48,60 +49,90 @@ class Run:
 
 
 class Gate:
-    """A re-entrant lock that its owner can open fully around callbacks."""
+    """A re-entrant lock that its owner can open fully around callbacks.
+
+    `open` (before a callback) releases every level this thread holds and stashes
+    the depth; `close` (after it, or as soon as the callback touches the model's
+    weights) takes the gate back at that depth. What a run stashed is dropped when
+    the run ends, so a callback that raised cannot leave a stale depth behind.
+    """
 
     def __init__(self):
         self._lock = threading.Lock()
         self._owner: int | None = None
         self._depth = 0
+        self._opened: dict[int, list[int]] = {}  # thread -> stashed depths
 
-    def enter(self) -> None:
+    def enter(self) -> int:
+        """Takes one level; returns a token for `exit`."""
         me = threading.get_ident()
+        token = len(self._opened.get(me, ()))
         if self._owner == me:
             self._depth += 1
-            return
+            return token
         self._lock.acquire()
         self._owner, self._depth = me, 1
+        return token
 
-    def exit(self) -> None:
-        if self._owner != threading.get_ident():
+    def exit(self, token: int) -> None:
+        me = threading.get_ident()
+        stash = self._opened.get(me)
+        if stash is not None:
+            del stash[token:]
+            if not stash:
+                del self._opened[me]
+        if self._owner != me:
             return
         self._depth -= 1
         if self._depth == 0:
             self._owner = None
             self._lock.release()
 
-    def open(self) -> int:
-        """Releases every level held by this thread; returns how many."""
-        if self._owner != threading.get_ident():
-            return 0
-        depth, self._depth, self._owner = self._depth, 0, None
-        self._lock.release()
-        return depth
-
-    def close(self, depth: int) -> None:
-        if not depth:
+    def open(self) -> None:
+        """Releases every level held by this thread, and stashes how many."""
+        me = threading.get_ident()
+        if self._owner != me:
             return
+        self._opened.setdefault(me, []).append(self._depth)
+        self._depth, self._owner = 0, None
+        self._lock.release()
+
+    def close(self) -> None:
+        """Takes back what this thread's last `open` released, if it is open."""
+        me = threading.get_ident()
+        stash = self._opened.get(me)
+        if not stash or self._owner == me:
+            return
+        depth = stash.pop()
+        if not stash:
+            del self._opened[me]
         self._lock.acquire()
-        self._owner, self._depth = threading.get_ident(), depth
+        self._owner, self._depth = me, depth
+
+    @contextlib.contextmanager
+    def held(self):
+        token = self.enter()
+        try:
+            yield
+        finally:
+            self.exit(token)
 
 
 class GateReleasing(keras.callbacks.Callback):
-    """Opens (first in the list) or closes (last) the model's gate around callbacks."""
+    """Opens (first in the list) or closes (last) the gate around callbacks."""
 
-    def __init__(self, gate: Gate, model, opens: bool, held: list):
+    def __init__(self, gate: Gate, model, opens: bool):
         super().__init__()
-        self._gate, self._owner, self._opens, self._held = gate, model, opens, held
+        self._gate, self._owner, self._opens = gate, model, opens
         for hook in _HOOKS:
             setattr(self, hook, self._toggle)
 
     def _toggle(self, *args, **kwargs):
         if self._opens:
-            if self._gate._owner == threading.get_ident():
-                _keras_compat.sync_jax_state(self._owner)
-                self._held.append(self._gate.open())
-        elif self._held:
-            self._gate.close(self._held.pop())
+            _keras_compat.sync_jax_state(self._owner)  # the weights are valid while open
+            self._gate.open()
+        else:
+            self._gate.close()
 
 
 _HOOKS = tuple(
@@ -113,9 +144,16 @@ _HOOKS = tuple(
 
 
 def with_gate_callbacks(callbacks, gate: Gate, model) -> list | Any:
-    """The user's callbacks between an opening and a closing `GateReleasing`."""
+    """The user's callbacks between an opening and a closing `GateReleasing`.
+
+    A `CallbackList` is fit's own, passed to its validation (already bracketed),
+    or one the user built: its callbacks are bracketed in place."""
+    pair = (GateReleasing(gate, model, True), GateReleasing(gate, model, False))
     if isinstance(callbacks, keras.callbacks.CallbackList):
-        return callbacks  # fit's own list, passed to its validation: already bracketed
-    held: list = []
-    return [GateReleasing(gate, model, True, held), *(callbacks or []),
-            GateReleasing(gate, model, False, held)]
+        if not any(isinstance(c, GateReleasing) for c in callbacks.callbacks):
+            callbacks.callbacks[:0] = [pair[0]]
+            callbacks.callbacks.append(pair[1])
+            for callback in pair:
+                callback.set_model(model)
+        return callbacks
+    return [pair[0], *(callbacks or []), pair[1]]

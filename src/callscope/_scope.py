@@ -35,8 +35,10 @@ class Frame:
     Attributes:
         values: name -> value (None means "not set").
         sealed: pushed inside a compiled step; holds exactly its key's values.
-        outside: with `sealed`, the names that had a value in the caller's scope
-            but are not part of the key (reading one is an error).
+        outside: with `sealed`, the values of the caller's scope that are not part
+            of the key (reading one is an error).
+        reads: with `sealed`, the names outside the key that the trace looked up
+            (the key's entry keeps them: a later call that sets one is refused).
         keyed: the names whose values were set by a call that keys its compiled
             functions on them (an entry point, a model's `__call__`, a step), and
             so may be read inside a trace. A `cs.context` value is not keyed until
@@ -45,8 +47,9 @@ class Frame:
 
     values: Mapping[str, Any] = field(default_factory=lambda: _EMPTY)
     sealed: bool = False
-    outside: frozenset = frozenset()
+    outside: Mapping[str, Any] = field(default_factory=lambda: _EMPTY)
     keyed: frozenset = frozenset()
+    reads: set | None = None
 
 
 _ROOT = Frame()  # immutable: safe as a ContextVar default
@@ -94,15 +97,28 @@ def overlay(values: Mapping[str, Any], *, keyed: bool) -> Frame:
         return current
     names = frozenset(values)
     return Frame(MappingProxyType({**current.values, **values}), current.sealed,
-                 current.outside, current.keyed | names if keyed else current.keyed - names)
+                 current.outside, current.keyed | names if keyed else current.keyed - names,
+                 current.reads)
 
 
-def sealed(values: Mapping[str, Any]) -> Frame:
-    """The frame a compiled step runs under: exactly `values` (its key's)."""
+def sealed(values: Mapping[str, Any], reads: set) -> Frame:
+    """The frame a compiled step runs under: exactly `values` (its key's).
+
+    Names outside the key that the step looks up are added to `reads`."""
     current = _FRAME.get()
-    outside = frozenset(n for n, v in current.values.items()
-                        if v is not None and n not in values)
-    return Frame(MappingProxyType(dict(values)), True, outside, frozenset(values))
+    outside = {n: v for n, v in current.values.items() if v is not None and n not in values}
+    return Frame(MappingProxyType(dict(values)), True, MappingProxyType(outside),
+                 frozenset(values), reads)
+
+
+def check_unkeyed(reads, keyed) -> None:
+    """Refuses a call whose compiled function once looked up a name outside its key
+    (`reads`) while the caller's scope now sets it: the cached function would
+    silently ignore the value."""
+    values = _FRAME.get().values
+    for name in reads:
+        if name not in keyed and values.get(name) is not None:
+            raise StrayValueError(STRAY_VALUE.format(name=name, value=values[name]))
 
 
 def lookup(name: str, *, tracing: bool) -> Any:
@@ -110,8 +126,10 @@ def lookup(name: str, *, tracing: bool) -> Any:
     current = _FRAME.get()
     value = current.values.get(name)
     if current.sealed:
+        if name not in current.values and current.reads is not None:
+            current.reads.add(name)
         if value is None and name in current.outside:
-            raise StrayValueError(STRAY_VALUE.format(name=name, value="<set>"))
+            raise StrayValueError(STRAY_VALUE.format(name=name, value=current.outside[name]))
         return value
     if value is not None and tracing and name not in current.keyed:
         raise StrayValueError(STRAY_VALUE.format(name=name, value=value))
@@ -195,16 +213,26 @@ def open_patch(model, patches: Mapping):
     return opened(_PATCHES, (model, patches))
 
 
+def captures_where(owned) -> tuple:
+    """The open captures whose model satisfies `owned(model)`."""
+    return tuple(c for c in _CAPTURES.get() if owned(c.model))
+
+
+def patches_where(owned) -> tuple:
+    """The open patches of models that satisfy `owned`, merged (inner scope wins)."""
+    merged = {}
+    for owner, patches in _PATCHES.get():
+        if owned(owner):
+            merged.update(patches)
+    return tuple(merged.items())
+
+
 def captures_for(model) -> tuple:
-    return tuple(c for c in _CAPTURES.get() if c.model is model)
+    return captures_where(lambda m: m is model)
 
 
 def patches_for(model) -> tuple:
-    merged = {}
-    for owner, patches in _PATCHES.get():
-        if owner is model:
-            merged.update(patches)  # the inner scope wins
-    return tuple(merged.items())
+    return patches_where(lambda m: m is model)
 
 
 def running(run):
