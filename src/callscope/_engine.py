@@ -242,15 +242,16 @@ class Engine(CaptureMixin):
         captures, patches = self._cs_scopes()
         self._cs_check_stray()
         values = self._cs_resolve(given)
-        # The frame holds each dynamic value itself: callbacks and nested calls
-        # read this call's value, never what another call assigned last.
-        frame = _scope.overlay({**dict.fromkeys(state.names), **values}, keyed=True)
-        dynamic = []
+        variables = {}
         for name in state.dynamic:
             if name in values:
-                variable, array = self._cs_dynamic_variable(name, values[name])
-                values[name] = variable
-                dynamic.append((variable, array))
+                variables[name], values[name] = self._cs_dynamic_variable(name, values[name])
+        dynamic = [(variables[name], values[name]) for name in variables]
+        # The frame holds each dynamic value itself: callbacks and nested calls
+        # read this call's value, never what another call assigned last. The steps
+        # read the hidden variable, which holds this call's value while it runs.
+        frame = _scope.overlay({**dict.fromkeys(state.names), **values}, keyed=True)
+        values.update(variables)
         key = _keys.static_key(values, set(state.static))
         if captures:
             _steps.check_capture_supported(self, method, tuple(c.spec for c in captures))
@@ -300,14 +301,15 @@ class Engine(CaptureMixin):
                 _keras_compat.restore_purged_values(self, snapshot)
                 raise
 
-    if _JAX:
-        def jax_state_sync(self):
-            # A callback that touches the weights while the gate is open for it
-            # takes the gate back first, so no other call purges them under it.
-            gate = self._cs.gate
-            gate.close()
-            with gate.held():
-                return super().jax_state_sync()
+    @contextlib.contextmanager
+    def _cs_syncing(self):
+        # JAX (`_keras_compat.SyncHook`): a callback that touches the weights while
+        # the gate is open for it takes the gate back first, so that no other call
+        # purges them under it.
+        gate = self._cs.gate
+        gate.close()
+        with gate.held():
+            yield
 
     def fit(self, *args, **kwargs):
         return self._cs_run("fit", args, kwargs)

@@ -437,6 +437,17 @@ class AuxHook:
         return loss, (unscaled_loss, y_pred, [*non_trainable, {_SMUGGLED: extra}], metrics)
 
 
+class SyncHook:
+    """Sees the JAX trainer's `jax_state_sync` (3.15.1: backend/jax/trainer.py:880),
+    which writes a running loop's state back into the variables; Keras's
+    `Callback.model` calls it before a callback touches the weights. The model
+    class provides `_cs_syncing()`, a context manager around the sync."""
+
+    def jax_state_sync(self):
+        with self._cs_syncing():
+            return super().jax_state_sync()
+
+
 def unsmuggle(result):
     """`(result without the smuggled entry, the smuggled values or None)` for a
     JAX step's `(main, state)` result."""

@@ -14,11 +14,13 @@ from collections.abc import Mapping
 from typing import Any
 
 import keras
+import numpy as np
 
 from callscope import _backend, _keras_compat, _keys, _record, _scope
 from callscope._engine import Engine, _State
 
-_JAX_HOOKS = (_keras_compat.AuxHook,) if keras.backend.backend() == "jax" else ()
+_JAX_HOOKS = ((_keras_compat.AuxHook, _keras_compat.SyncHook)
+              if keras.backend.backend() == "jax" else ())
 
 
 class ContextMixin(Engine, _keras_compat.LossHook, *_JAX_HOOKS):
@@ -234,7 +236,13 @@ _JAX = keras.backend.backend() == "jax"
 
 
 def _delivered(value):
-    return value.value if isinstance(value, keras.Variable) else value
+    """What a layer receives: a tensor for a dynamic value (a call's frame holds it
+    as an array), the value itself for a static one."""
+    if isinstance(value, keras.Variable):
+        return value.value
+    if isinstance(value, (np.ndarray, np.generic)):
+        return keras.ops.convert_to_tensor(value)
+    return value
 
 
 def unknown_argument_error(method: str, name: str, registered: set[str]) -> TypeError:
