@@ -710,3 +710,28 @@ def test_a_direct_step_call_uses_the_callers_scope():
     with cs.context(mode="a"):
         np.testing.assert_allclose(step(), base + 1.0, rtol=1e-5)
     np.testing.assert_allclose(step(), base, rtol=1e-5)
+
+
+def test_fits_and_predicts_from_three_threads_on_one_model():
+    # SGD(0) keeps the weights, so every predict must equal the reference, however
+    # the calls interleave; on JAX each handover moves the loop state correctly.
+    model = _seq()
+    reference = _dense(model, X)
+    outs = []
+
+    class Pause(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            time.sleep(0.002)
+
+    def fits():
+        for _ in range(3):
+            model.fit(X, Y, batch_size=2, epochs=1, verbose=0, callbacks=[Pause()])
+
+    def predicts():
+        for _ in range(5):
+            outs.append(model.predict(X, batch_size=2, verbose=0))
+
+    _in_threads(fits, fits, predicts)
+    assert len(outs) == 5
+    for out in outs:
+        np.testing.assert_allclose(out, reference, rtol=1e-5, atol=1e-6)

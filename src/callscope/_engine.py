@@ -64,7 +64,7 @@ class _State:
         self.metrics_lock = threading.RLock()  # fit/evaluate share the model's metrics
         # JAX: stock Keras purges a model's variables while its loop runs, so the
         # calls of one model take turns (the gate opens around callbacks).
-        self.gate = Gate() if _JAX else None
+        self.gate = Gate(lambda: _keras_compat.sync_jax_state(model)) if _JAX else None
 
     @property
     def names(self) -> set[str]:
@@ -272,7 +272,8 @@ class Engine(CaptureMixin):
             if dynamic and _JAX:
                 positions = {id(v): i for i, v in enumerate(self.non_trainable_variables)}
                 dynamic = [(positions[id(v)], a) for v, a in dynamic]
-            run = Run(self, method, entry, tuple(dynamic), calls, patches, nested)
+            run = Run(self, method, entry, tuple(dynamic), calls, patches, nested,
+                      _keras_compat.replicas(self) > 1)
             logging = next((i for i, c in enumerate(captures) if c.log), None)
             if method == "fit" and logging is not None:
                 user = list(kwargs.get("callbacks") or [])
@@ -390,17 +391,19 @@ class _RunFunction:
     def __call__(self, *args, **kwargs):
         model, function = self.model, self.__wrapped__
         run = _scope.run_of(model)
-        if run is not None and run.dynamic and _JAX:
+        if run is None or not (run.dynamic or run.replicated):  # the common case
+            return _steps.pop_sown(self.kind, function(*args, **kwargs), run)
+        if run.dynamic and _JAX:
             state = _keras_compat.replace_non_trainable(args[0], run.dynamic, _backend.place_like)
             args = (state, *args[1:])
         with contextlib.ExitStack() as stack:
             state = model._cs
-            if run is not None and _keras_compat.replicas(model) > 1:
+            if run.replicated:
                 # Replica threads see no contextvars: they find the entry here.
                 stack.enter_context(state.replica_lock)
                 state.replica_entry = run.entry
                 stack.callback(setattr, state, "replica_entry", None)
-            if run is not None and run.dynamic and not _JAX:
+            if run.dynamic and not _JAX:
                 stack.enter_context(state.dynamic_lock)
                 for variable, array in run.dynamic:
                     variable.assign(array)

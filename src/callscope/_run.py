@@ -27,7 +27,6 @@ from typing import Any
 
 import keras
 
-from callscope import _keras_compat
 
 
 @dataclass(frozen=True, eq=False)
@@ -41,6 +40,7 @@ class Run:
     calls: tuple = ()  # one _capture.Call per open capture: this run's sinks
     patches: tuple = ()
     nested: bool = False  # another run of the same model is in progress below it
+    replicated: bool = False  # under a tf.distribute strategy with several replicas
 
     def sink(self, kind: str, sown) -> None:
         for name, value in sown.items():
@@ -57,11 +57,14 @@ class Gate:
     the run ends, so a callback that raised cannot leave a stale depth behind.
     """
 
-    def __init__(self):
+    def __init__(self, on_handover=None):
         self._lock = threading.Lock()
         self._owner: int | None = None
         self._depth = 0
         self._opened: dict[int, list[int]] = {}  # thread -> stashed depths
+        self._on_handover = on_handover  # run by the next taker after an `open`
+        self._open_mid_call = False
+        self._opened_by: int | None = None
 
     def enter(self) -> int:
         """Takes one level; returns a token for `exit`."""
@@ -72,7 +75,17 @@ class Gate:
             return token
         self._lock.acquire()
         self._owner, self._depth = me, 1
+        self._handover()
         return token
+
+    def _handover(self) -> None:
+        # Opened around a callback, the gate leaves the holder's weights where its
+        # loop keeps them (JAX: out of the variables). Syncing them back every
+        # callback would cost a copy per step, so the next other taker does it.
+        if self._open_mid_call:
+            self._open_mid_call = False
+            if self._on_handover is not None:
+                self._on_handover()
 
     def exit(self, token: int) -> None:
         me = threading.get_ident()
@@ -95,6 +108,7 @@ class Gate:
             return
         self._opened.setdefault(me, []).append(self._depth)
         self._depth, self._owner = 0, None
+        self._open_mid_call, self._opened_by = True, me
         self._lock.release()
 
     def close(self) -> None:
@@ -108,6 +122,10 @@ class Gate:
             del self._opened[me]
         self._lock.acquire()
         self._owner, self._depth = me, depth
+        if self._opened_by == me:
+            self._open_mid_call = False  # nobody opened it since: our loop state holds
+        else:
+            self._handover()  # another call opened it mid-loop: take its weights back
 
     @contextlib.contextmanager
     def held(self):
@@ -129,7 +147,6 @@ class GateReleasing(keras.callbacks.Callback):
 
     def _toggle(self, *args, **kwargs):
         if self._opens:
-            _keras_compat.sync_jax_state(self._owner)  # the weights are valid while open
             self._gate.open()
         else:
             self._gate.close()
