@@ -735,3 +735,79 @@ def test_fits_and_predicts_from_three_threads_on_one_model():
     assert len(outs) == 5
     for out in outs:
         np.testing.assert_allclose(out, reference, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("other", ["predict", "evaluate"])
+def test_a_callback_that_reads_the_model_then_waits_on_another_thread(other):
+    model = _seq()
+    reference = {"predict": _dense(model, X),
+                 "evaluate": model.evaluate(X, Y, batch_size=4, verbose=0)}
+    got = []
+
+    class ReadsThenWaits(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            weights = self.model.get_weights()  # touches the weights first
+            assert len(weights) == 2
+            call = (lambda: self.model.predict(X, verbose=0)) if other == "predict" else (
+                lambda: self.model.evaluate(X, Y, batch_size=4, verbose=0))
+            worker = threading.Thread(target=lambda: got.append(call()), daemon=True)
+            worker.start()
+            worker.join(60)
+            assert not worker.is_alive(), f"the worker's {other} deadlocked"
+
+    _in_threads(lambda: model.fit(X, Y, batch_size=4, epochs=2, verbose=0,
+                                  callbacks=[ReadsThenWaits()]))
+    assert len(got) == 2
+    for value in got:
+        np.testing.assert_allclose(value, reference[other], rtol=1e-5, atol=1e-6)
+
+
+def test_cs_current_inside_a_users_compiled_function_is_never_frozen():
+    if BACKEND == "torch":
+        pytest.skip("torch.compile runs this Python eagerly (a graph break): nothing freezes")
+    model = cs.Sequential([keras.Input((2,)), Reads()])
+    compiled = _user_compiled(lambda x: model(x))
+    x = keras.ops.zeros((2, 2))
+    with cs.context(shift=5.0):
+        with pytest.raises(Exception, match="read inside a compiled function"):
+            compiled(x)
+    np.testing.assert_allclose(numpy(compiled(x)), 0.0)
+    with cs.context(shift=5.0):  # traced before the scope: still refused, never ignored
+        with pytest.raises(Exception, match="read inside a compiled function"):
+            _user_compiled(lambda x: model(x) * 1.0)(x)
+
+
+def test_a_step_called_from_a_callback_under_a_capture_is_a_plain_step():
+    model = _seq()
+    got = []
+
+    class Steps(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if BACKEND == "jax":
+                state = ([v.value for v in model.trainable_variables],
+                         [v.value for v in model.non_trainable_variables])
+                got.append(numpy(model.predict_step(state, (X,))[0]))
+            else:
+                got.append(numpy(model.predict_step((X,))))
+
+    with cs.capture(model, "s/d") as cap:
+        model.fit(X, Y, batch_size=8, epochs=1, verbose=0, callbacks=[Steps()])
+    np.testing.assert_allclose(got[0], _dense(model, X), rtol=1e-5, atol=1e-6)
+    assert cap["s/d:output"].shape == (8, 2)
+
+
+def test_a_dynamic_value_passed_to_a_direct_call_reaches_layers_as_a_tensor():
+    seen = []
+
+    @cs.context_args("temperature")
+    class Check(keras.layers.Layer):
+        def call(self, x, temperature=None):
+            if temperature is None:
+                return x
+            seen.append(keras.ops.is_tensor(temperature))
+            return x * temperature
+
+    model = cs.Sequential([keras.Input((2,)), Check()])
+    model.register_context_args("temperature", dynamic=True)
+    np.testing.assert_allclose(numpy(model(np.ones((1, 2), "float32"), temperature=2.0)), 2.0)
+    assert seen and all(seen)

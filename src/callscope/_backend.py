@@ -30,6 +30,23 @@ def is_tracing(leaves) -> bool:
     return False
 
 
+def is_tracing_now() -> bool:
+    """`is_tracing` without inputs to look at: is a compiled function being built?"""
+    if BACKEND == "jax":
+        import jax
+
+        return isinstance(jax.numpy.zeros(()), jax.core.Tracer)  # staged while tracing
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        return not tf.executing_eagerly()
+    if BACKEND == "torch":
+        import torch
+
+        return bool(torch.compiler.is_compiling())
+    return False
+
+
 def is_symbolic(leaves) -> bool:
     """True for Keras's shape-only calls: KerasTensors, and on torch the meta
     tensors that `compute_output_spec` runs the model on (eagerly)."""

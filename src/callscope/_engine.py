@@ -16,9 +16,9 @@ the call is written to the model:
 - Dynamic values travel with the run: substituted into the JAX state of each step,
   or assigned to a hidden variable for the length of one compiled call on
   TensorFlow and torch. They are never weights.
-- On JAX, the calls of one model are serialised by its gate, opened around every
-  callback. Calls with metrics (fit, evaluate, `*_on_batch`) of one model take
-  turns on every backend: Keras keeps metrics on the model.
+- Calls of one model take turns where they share state (`_run.Gate`): every call
+  on JAX, the calls with metrics on TensorFlow and torch. The turn passes to other
+  threads around every callback, with the paused call's state parked.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import numpy as np
 from callscope import _backend, _keras_compat, _keys, _record, _scope, _steps
 from callscope._capturing import CAPTURE, PATCH, CaptureMixin, first_batch_of
 from callscope._logger import EpochStatistics
-from callscope._run import Gate, Run, with_gate_callbacks
+from callscope._run import Gate, Run, SharedState, with_gate_callbacks
 
 DEFAULT_CACHE_SIZE = 8
 _KINDS = _keys.KINDS
@@ -61,10 +61,16 @@ class _State:
         self.replica_entry = None  # contextvars, so the tracing call's entry is here
         self.dynamic_lock = threading.Lock()  # TF/torch: one assign-and-call at a time
         self.make_lock = threading.RLock()  # make_*_function reads the step once
-        self.metrics_lock = threading.RLock()  # fit/evaluate share the model's metrics
-        # JAX: stock Keras purges a model's variables while its loop runs, so the
-        # calls of one model take turns (the gate opens around callbacks).
-        self.gate = Gate(lambda: _keras_compat.sync_jax_state(model)) if _JAX else None
+        # Calls of one model take turns where they share state: on JAX every call
+        # (Keras's loop keeps the weights out of the variables while it runs), on
+        # TF and torch the calls with metrics (Keras keeps them on the model). The
+        # turn passes to other threads around every callback.
+        self.gate = Gate(SharedState(model, sync=_JAX, metrics=True))
+
+    def gates(self, method: str) -> tuple:
+        if _JAX or method in _WITH_METRICS:
+            return (self.gate,)
+        return ()
 
     @property
     def names(self) -> set[str]:
@@ -96,9 +102,9 @@ class _StepDispatch:
 
     def __call__(self, *args, **kwargs):
         model = self.model
-        run = _scope.run_of(model)
+        run = _scope.run_of(model) if _scope.stepping(model) else None
         entry = run.entry if run is not None else model._cs.replica_entry
-        if entry is None:  # a direct call (a custom loop): the caller's scope applies
+        if entry is None:  # a direct call (a custom loop, a callback): the caller's scope
             return getattr(type(model), f"{self.kind}_step")(model, *args, **kwargs)
         return entry.steps[self.kind](*args, **kwargs)
 
@@ -278,9 +284,9 @@ class Engine(CaptureMixin):
             if method == "fit" and logging is not None:
                 user = list(kwargs.get("callbacks") or [])
                 kwargs["callbacks"] = [EpochStatistics(calls[logging], user), *user]
-            if state.gate is not None and method in ("fit", "evaluate", "predict"):
-                kwargs["callbacks"] = with_gate_callbacks(kwargs.get("callbacks"), state.gate,
-                                                          self)
+            gates = state.gates(method)
+            if gates and method in ("fit", "evaluate", "predict"):
+                kwargs["callbacks"] = with_gate_callbacks(kwargs.get("callbacks"), gates, self)
             return self._cs_call_keras(method, run, frame, args, kwargs)
         finally:
             table.release(entry)
@@ -288,12 +294,8 @@ class Engine(CaptureMixin):
     def _cs_call_keras(self, method, run, frame, args, kwargs):
         state = self._cs
         with contextlib.ExitStack() as stack:
-            if method in _WITH_METRICS:
-                # Keras keeps metrics on the model: two threads' fit/evaluate would
-                # reset and add to the same variables, so they take turns.
-                stack.enter_context(state.metrics_lock)
-            if state.gate is not None:
-                stack.enter_context(state.gate.held())
+            for gate in state.gates(method):
+                stack.enter_context(gate.held())
             snapshot = _keras_compat.snapshot_variable_values(self)  # under the gate
             try:
                 with _scope.pushed(frame), _scope.running(run):
@@ -308,9 +310,16 @@ class Engine(CaptureMixin):
         # the gate is open for it takes the gate back first, so that no other call
         # purges them under it.
         gate = self._cs.gate
-        gate.close()
-        with gate.held():
-            yield
+        if not gate.is_open_for():
+            with gate.held():
+                yield
+            return
+        gate.close()  # only for the sync: callbacks never hold the gate
+        try:
+            with gate.held():
+                yield
+        finally:
+            gate.open()
 
     def fit(self, *args, **kwargs):
         return self._cs_run("fit", args, kwargs)
@@ -392,7 +401,8 @@ class _RunFunction:
         model, function = self.model, self.__wrapped__
         run = _scope.run_of(model)
         if run is None or not (run.dynamic or run.replicated):  # the common case
-            return _steps.pop_sown(self.kind, function(*args, **kwargs), run)
+            with _scope.steps_of(model):
+                return _steps.pop_sown(self.kind, function(*args, **kwargs), run)
         if run.dynamic and _JAX:
             state = _keras_compat.replace_non_trainable(args[0], run.dynamic, _backend.place_like)
             args = (state, *args[1:])
@@ -407,6 +417,7 @@ class _RunFunction:
                 stack.enter_context(state.dynamic_lock)
                 for variable, array in run.dynamic:
                     variable.assign(array)
+            stack.enter_context(_scope.steps_of(model))
             result = function(*args, **kwargs)
         return _steps.pop_sown(self.kind, result, run)
 

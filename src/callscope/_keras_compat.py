@@ -320,6 +320,13 @@ def restore_purged_values(model, snapshot):
     model.__dict__["_jax_state_synced"] = True
 
 
+def mark_jax_state_stale(model):
+    """Makes a running JAX loop read its state from the variables again before
+    its next step (`_jax_state_synced`, 3.15.1: backend/jax/trainer.py:451)."""
+    if keras.backend.backend() == "jax":
+        model.__dict__["_jax_state_synced"] = True
+
+
 def sync_jax_state(model):
     """Writes a running JAX loop's state back into the variables (public
     `jax_state_sync`, 3.15.1: backend/jax/trainer.py:880)."""

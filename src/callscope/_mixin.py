@@ -174,7 +174,7 @@ class ContextMixin(Engine, _keras_compat.LossHook, *_JAX_HOOKS):
             values = self._cs_resolve(given, tracing=tracing)
             frame = _scope.overlay({**dict.fromkeys(state.names), **values}, keyed=True)
             with _scope.pushed(frame):
-                kwargs.update({n: _delivered(v) for n, v in values.items()})
+                kwargs.update({n: _delivered(v, n in state.dynamic) for n, v in values.items()})
                 return super().__call__(*args, **kwargs)
         finally:
             if gate is not None:
@@ -200,7 +200,7 @@ class ContextMixin(Engine, _keras_compat.LossHook, *_JAX_HOOKS):
         for name, value in values.items():
             if isinstance(value, keras.Variable) and id(value) in hidden:
                 value = non_trainable_variables[hidden[id(value)]]
-            delivered[name] = _delivered(value)
+            delivered[name] = _delivered(value, name in state.dynamic)
         pushed = {**dict.fromkeys(state.names), **values}
         call = lambda: super(ContextMixin, self).stateless_call(  # noqa: E731
             trainable_variables, non_trainable_variables, *args,
@@ -226,22 +226,27 @@ class ContextMixin(Engine, _keras_compat.LossHook, *_JAX_HOOKS):
 
 _OUTSIDE_COMPILE = (
     "{what} cannot record or intervene inside a function it did not compile: "
-    "`{model}` was called inside your own `jax.jit`/`tf.function`/`torch.compile`, "
-    "so what it records would be tracers of your trace, and a cached run of your "
-    "function would silently skip it. Call the model outside your compiled "
-    "function under the scope, or capture through `fit`/`evaluate`/`predict`, "
-    "which compile the capture themselves. Received: a traced call of {model}"
+    "`{model}` was called while another function was being compiled (your own "
+    "`jax.jit`/`tf.function`/`torch.compile`, or the fit/predict of an outer model "
+    "that is not a callscope model), so what it records would be tracers of that "
+    "trace, and a cached run of it would silently skip the capture. Call the model "
+    "outside that function under the scope, or make the outer model a callscope "
+    "model (`outer = cs.enable(outer)`) so that its fit/evaluate/predict compile "
+    "the capture themselves. Received: a traced call of {model}"
 )
 _JAX = keras.backend.backend() == "jax"
 
 
-def _delivered(value):
-    """What a layer receives: a tensor for a dynamic value (a call's frame holds it
-    as an array), the value itself for a static one."""
+def _delivered(value, dynamic: bool):
+    """What a layer receives: a tensor for a dynamic value, the value itself for a
+    static one."""
     if isinstance(value, keras.Variable):
         return value.value
-    if isinstance(value, (np.ndarray, np.generic)):
-        return keras.ops.convert_to_tensor(value)
+    if dynamic and not keras.ops.is_tensor(value):
+        array = np.asarray(value)
+        if array.dtype.kind == "f":
+            array = array.astype(keras.config.floatx())
+        return keras.ops.convert_to_tensor(array)
     return value
 
 

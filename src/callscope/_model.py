@@ -61,8 +61,9 @@ class Model(ContextMixin, keras.Model):
             if not isinstance(self, _Functional):
                 _rebase_on_functional(type(self))
             _Functional.__init__(self, *args, **kwargs)
-            return
-        super().__init__(*args, **kwargs)
+        else:
+            super().__init__(*args, **kwargs)
+        _ = self._cs  # made eagerly, never first inside a compiled function
 
 
 @keras.saving.register_keras_serializable(package="callscope")
@@ -91,6 +92,10 @@ class Sequential(ContextMixin, keras.Sequential):
     >>> tuple(model(np.ones((1, 2)), debugging=True).shape)
     (1, 1)
     """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        _ = self._cs  # made eagerly, never first inside a compiled function
 
 
 def _rebase_on_functional(cls):
@@ -148,6 +153,7 @@ def enable(model: T) -> T:
         )
     if not isinstance(model, ContextMixin):
         _keras_compat.swap_class(model, _enabled_class(type(model)))
+    _ = model._cs  # made eagerly, never first inside a compiled function
     return model
 
 

@@ -27,6 +27,8 @@ from typing import Any
 
 import keras
 
+from callscope import _keras_compat
+
 
 
 @dataclass(frozen=True, eq=False)
@@ -49,22 +51,28 @@ class Run:
 
 
 class Gate:
-    """A re-entrant lock that its owner can open fully around callbacks.
+    """A re-entrant lock that its owner opens fully around callbacks: a turn.
 
     `open` (before a callback) releases every level this thread holds and stashes
-    the depth; `close` (after it, or as soon as the callback touches the model's
-    weights) takes the gate back at that depth. What a run stashed is dropped when
-    the run ends, so a callback that raised cannot leave a stale depth behind.
+    the depth; `close` (after it) takes the gate back at that depth. When the gate
+    passes from a thread in the middle of its call to another, `on_switch(prev,
+    new)` moves the state they share out of the way (the JAX loop's weights, the
+    model's metrics) and back when `prev` resumes. What a call stashed is dropped
+    when it ends, so a callback that raised cannot leave a stale depth behind.
     """
 
-    def __init__(self, on_handover=None):
+    def __init__(self, on_switch=None):
         self._lock = threading.Lock()
         self._owner: int | None = None
         self._depth = 0
         self._opened: dict[int, list[int]] = {}  # thread -> stashed depths
-        self._on_handover = on_handover  # run by the next taker after an `open`
-        self._open_mid_call = False
-        self._opened_by: int | None = None
+        self._on_switch = on_switch
+        self._last: int | None = None  # the thread that held it last
+
+    def _taken(self, me: int) -> None:
+        previous, self._last = self._last, me
+        if self._on_switch is not None and previous not in (None, me):
+            self._on_switch(previous if previous in self._opened else None, me)
 
     def enter(self) -> int:
         """Takes one level; returns a token for `exit`."""
@@ -75,17 +83,8 @@ class Gate:
             return token
         self._lock.acquire()
         self._owner, self._depth = me, 1
-        self._handover()
+        self._taken(me)
         return token
-
-    def _handover(self) -> None:
-        # Opened around a callback, the gate leaves the holder's weights where its
-        # loop keeps them (JAX: out of the variables). Syncing them back every
-        # callback would cost a copy per step, so the next other taker does it.
-        if self._open_mid_call:
-            self._open_mid_call = False
-            if self._on_handover is not None:
-                self._on_handover()
 
     def exit(self, token: int) -> None:
         me = threading.get_ident()
@@ -108,7 +107,6 @@ class Gate:
             return
         self._opened.setdefault(me, []).append(self._depth)
         self._depth, self._owner = 0, None
-        self._open_mid_call, self._opened_by = True, me
         self._lock.release()
 
     def close(self) -> None:
@@ -117,15 +115,19 @@ class Gate:
         stash = self._opened.get(me)
         if not stash or self._owner == me:
             return
+        self._lock.acquire()
+        # The stash is dropped only now: until this thread holds the gate again,
+        # others must see its call as paused (its state parked, not finished).
         depth = stash.pop()
         if not stash:
             del self._opened[me]
-        self._lock.acquire()
         self._owner, self._depth = me, depth
-        if self._opened_by == me:
-            self._open_mid_call = False  # nobody opened it since: our loop state holds
-        else:
-            self._handover()  # another call opened it mid-loop: take its weights back
+        self._taken(me)
+
+    def is_open_for(self) -> bool:
+        """True in a thread whose call opened the gate (inside its callbacks)."""
+        me = threading.get_ident()
+        return bool(self._opened.get(me)) and self._owner != me
 
     @contextlib.contextmanager
     def held(self):
@@ -136,20 +138,52 @@ class Gate:
             self.exit(token)
 
 
-class GateReleasing(keras.callbacks.Callback):
-    """Opens (first in the list) or closes (last) the gate around callbacks."""
+class SharedState:
+    """`on_switch` for a model's gate: parks the state of a call in the middle of
+    its loop while another call runs, and puts it back when it resumes.
 
-    def __init__(self, gate: Gate, model, opens: bool):
+    - JAX: the loop keeps the weights out of the variables (`sync`, first, puts
+      the paused loop's state back into them; its loop reads them again after).
+    - Metrics: Keras keeps them on the model, so each paused call's values are
+      saved and restored around the others' calls.
+    """
+
+    def __init__(self, model, sync: bool, metrics: bool):
+        self._model, self._sync, self._metrics = model, sync, metrics
+        self._parked: dict[int, list] = {}
+
+    def __call__(self, previous: int | None, current: int) -> None:
+        model = self._model
+        if previous is not None and self._sync:
+            _keras_compat.sync_jax_state(model)
+        if not self._metrics:
+            return
+        variables = list(model.metrics_variables)
+        if previous is not None:
+            self._parked[previous] = [keras.ops.convert_to_numpy(v.value) for v in variables]
+        parked = self._parked.pop(current, None)
+        if parked is not None and len(parked) == len(variables):
+            for variable, value in zip(variables, parked):
+                variable.assign(value)
+            _keras_compat.mark_jax_state_stale(model)
+
+
+class GateReleasing(keras.callbacks.Callback):
+    """Opens (first in the list) or closes (last) the gates around callbacks."""
+
+    def __init__(self, gates: tuple, opens: bool):
         super().__init__()
-        self._gate, self._owner, self._opens = gate, model, opens
+        self._gates, self._opens = gates, opens
         for hook in _HOOKS:
             setattr(self, hook, self._toggle)
 
     def _toggle(self, *args, **kwargs):
         if self._opens:
-            self._gate.open()
+            for gate in reversed(self._gates):
+                gate.open()
         else:
-            self._gate.close()
+            for gate in self._gates:
+                gate.close()
 
 
 _HOOKS = tuple(
@@ -160,12 +194,12 @@ _HOOKS = tuple(
 )
 
 
-def with_gate_callbacks(callbacks, gate: Gate, model) -> list | Any:
+def with_gate_callbacks(callbacks, gates: tuple, model) -> list | Any:
     """The user's callbacks between an opening and a closing `GateReleasing`.
 
     A `CallbackList` is fit's own, passed to its validation (already bracketed),
     or one the user built: its callbacks are bracketed in place."""
-    pair = (GateReleasing(gate, model, True), GateReleasing(gate, model, False))
+    pair = (GateReleasing(gates, True), GateReleasing(gates, False))
     if isinstance(callbacks, keras.callbacks.CallbackList):
         if not any(isinstance(c, GateReleasing) for c in callbacks.callbacks):
             callbacks.callbacks[:0] = [pair[0]]

@@ -25,6 +25,8 @@ from typing import Any
 
 import keras
 
+from callscope import _backend
+
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
 
 
@@ -58,6 +60,8 @@ _FRAME: contextvars.ContextVar[Frame] = contextvars.ContextVar(
 _CAPTURES: contextvars.ContextVar[tuple] = contextvars.ContextVar("callscope_captures", default=())
 _PATCHES: contextvars.ContextVar[tuple] = contextvars.ContextVar("callscope_patches", default=())
 _RUNS: contextvars.ContextVar[tuple] = contextvars.ContextVar("callscope_runs", default=())
+_STEPPING: contextvars.ContextVar[tuple] = contextvars.ContextVar("callscope_stepping",
+                                                                  default=())
 
 
 class StrayValueError(RuntimeError):
@@ -159,7 +163,8 @@ def context(**values: Any) -> Iterator[None]:
     >>> cs.current("debugging") is None
     True
     """
-    with pushed(overlay(values, keyed=False)):
+    # A scope opened inside a trace is part of that trace: its values may be read.
+    with pushed(overlay(values, keyed=bool(values) and _backend.is_tracing_now())):
         yield
 
 
@@ -181,7 +186,11 @@ def current(name: str, default: Any = None) -> Any:
     ...     cs.current("mode")
     'train'
     """
-    value = lookup(name, tracing=False)
+    current_frame = _FRAME.get()
+    value = current_frame.values.get(name)
+    tracing = (value is not None and not current_frame.sealed
+               and name not in current_frame.keyed and _backend.is_tracing_now())
+    value = lookup(name, tracing=tracing)
     if value is None:
         return default
     if isinstance(value, keras.Variable):
@@ -237,6 +246,15 @@ def patches_for(model) -> tuple:
 
 def running(run):
     return opened(_RUNS, run)
+
+
+def steps_of(model):
+    """Marks that `model`'s made function is running (its steps belong to the run)."""
+    return opened(_STEPPING, model)
+
+
+def stepping(model) -> bool:
+    return any(m is model for m in _STEPPING.get())
 
 
 def run_of(model):
