@@ -169,12 +169,16 @@ class SharedState:
 
 
 class GateReleasing(keras.callbacks.Callback):
-    """Opens (first in the list) or closes (last) the gates around callbacks."""
+    """Opens (first in the list) or closes (last) the gates around callbacks.
 
-    def __init__(self, gates: tuple, opens: bool):
+    It takes the epoch-level hooks, and only those batch-level hooks that one of
+    the user's callbacks overrides: a batch hook of its own would stop Keras from
+    dispatching batch callbacks asynchronously, and cost a sync per step."""
+
+    def __init__(self, gates: tuple, opens: bool, hooks: tuple):
         super().__init__()
         self._gates, self._opens = gates, opens
-        for hook in _HOOKS:
+        for hook in hooks:
             setattr(self, hook, self._toggle)
 
     def _toggle(self, *args, **kwargs):
@@ -186,12 +190,23 @@ class GateReleasing(keras.callbacks.Callback):
                 gate.close()
 
 
-_HOOKS = tuple(
-    f"on_{stage}_{when}"
-    for stage in ("train", "test", "predict", "epoch",
-                  "train_batch", "test_batch", "predict_batch")
-    for when in ("begin", "end")
-)
+_EPOCH_HOOKS = tuple(f"on_{stage}_{when}" for stage in ("train", "test", "predict", "epoch")
+                     for when in ("begin", "end"))
+_BATCH_HOOKS = {
+    f"on_{stage}_batch_{when}": (f"on_{stage}_batch_{when}",) + (
+        (f"on_batch_{when}",) if stage == "train" else ())
+    for stage in ("train", "test", "predict") for when in ("begin", "end")
+}
+
+
+def _hooks_for(callbacks) -> tuple:
+    """The epoch hooks, and each batch hook some callback overrides."""
+    def overrides(callback, name):
+        return getattr(type(callback), name, None) is not getattr(keras.callbacks.Callback, name)
+
+    batch = [hook for hook, names in _BATCH_HOOKS.items()
+             if any(overrides(c, n) for c in callbacks for n in names)]
+    return (*_EPOCH_HOOKS, *batch)
 
 
 def with_gate_callbacks(callbacks, gates: tuple, model) -> list | Any:
@@ -199,7 +214,10 @@ def with_gate_callbacks(callbacks, gates: tuple, model) -> list | Any:
 
     A `CallbackList` is fit's own, passed to its validation (already bracketed),
     or one the user built: its callbacks are bracketed in place."""
-    pair = (GateReleasing(gates, True), GateReleasing(gates, False))
+    listed = (callbacks.callbacks if isinstance(callbacks, keras.callbacks.CallbackList)
+              else list(callbacks or []))
+    hooks = _hooks_for(listed)
+    pair = (GateReleasing(gates, True, hooks), GateReleasing(gates, False, hooks))
     if isinstance(callbacks, keras.callbacks.CallbackList):
         if not any(isinstance(c, GateReleasing) for c in callbacks.callbacks):
             callbacks.callbacks[:0] = [pair[0]]
