@@ -811,3 +811,65 @@ def test_a_dynamic_value_passed_to_a_direct_call_reaches_layers_as_a_tensor():
     model.register_context_args("temperature", dynamic=True)
     np.testing.assert_allclose(numpy(model(np.ones((1, 2), "float32"), temperature=2.0)), 2.0)
     assert seen and all(seen)
+
+
+def test_two_threads_fitting_with_validation_each_validate_their_own_data():
+    model = _seq()
+    X2, Y2 = X[::-1].copy() * 2.0, Y[::-1].copy()
+    reference = {
+        "a": model.fit(X, Y, batch_size=2, epochs=2, verbose=0, validation_data=(X2, Y2)),
+        "b": model.fit(X2, Y2, batch_size=2, epochs=2, verbose=0, validation_data=(X, Y)),
+    }
+    got = {}
+
+    class Pause(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            time.sleep(0.002)
+
+        def on_test_batch_end(self, batch, logs=None):
+            time.sleep(0.002)
+
+    def fits(k, data, validation):
+        return lambda: got.setdefault(k, model.fit(
+            *data, batch_size=2, epochs=2, verbose=0, validation_data=validation,
+            callbacks=[Pause()]))
+
+    _in_threads(fits("a", (X, Y), (X2, Y2)), fits("b", (X2, Y2), (X, Y)))
+    for k in ("a", "b"):
+        np.testing.assert_allclose(got[k].history["val_loss"],
+                                   reference[k].history["val_loss"], rtol=1e-5)
+
+
+def test_a_callback_raising_while_another_thread_evaluates():
+    model = _seq()
+    XB = (X * np.arange(1, 9, dtype="float32")[:, None]).astype("float32")
+    reference = model.evaluate(XB, Y, batch_size=1, verbose=0)
+    a_in, b_in = threading.Event(), threading.Event()
+    got = []
+
+    class Boom(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            a_in.set()
+            b_in.wait(10)
+            time.sleep(0.03)
+            raise RuntimeError("boom")
+
+    class Slow(keras.callbacks.Callback):
+        def on_test_batch_end(self, batch, logs=None):
+            if batch >= 1:
+                b_in.set()
+            time.sleep(0.01)
+
+    def fails():
+        with pytest.raises(RuntimeError, match="boom"):
+            model.fit(X, Y, batch_size=2, epochs=1, verbose=0, callbacks=[Boom()])
+
+    def evaluates():
+        a_in.wait(10)
+        got.append(model.evaluate(XB, Y, batch_size=1, verbose=0, callbacks=[Slow()]))
+
+    _in_threads(fails, evaluates)
+    assert got == [pytest.approx(reference, rel=1e-5)]
+    assert model.evaluate(XB, Y, batch_size=1, verbose=0) == pytest.approx(reference, rel=1e-5)
+    np.testing.assert_allclose(model.predict(X, verbose=0), _dense(model, X), rtol=1e-5,
+                               atol=1e-6)

@@ -65,7 +65,8 @@ class _State:
         # (Keras's loop keeps the weights out of the variables while it runs), on
         # TF and torch the calls with metrics (Keras keeps them on the model). The
         # turn passes to other threads around every callback.
-        self.gate = Gate(SharedState(model, sync=_JAX, metrics=True))
+        self.shared = SharedState(model, sync=_JAX, metrics=True)
+        self.gate = Gate(self.shared)
 
     def gates(self, method: str) -> tuple:
         if _JAX or method in _WITH_METRICS:
@@ -301,8 +302,13 @@ class Engine(CaptureMixin):
                 with _scope.pushed(frame), _scope.running(run):
                     return getattr(super(), method)(*args, **kwargs)
             except BaseException:
+                for gate in state.gates(method):
+                    gate.close()  # a callback raised with the gate open: take it back
                 _keras_compat.restore_purged_values(self, snapshot)
                 raise
+            finally:
+                if not run.nested:
+                    state.shared.forget(threading.get_ident())
 
     @contextlib.contextmanager
     def _cs_syncing(self):

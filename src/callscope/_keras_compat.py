@@ -151,16 +151,14 @@ def compile_from_config(model, config, own_compile):
     does (keras 3.15.1: trainers/trainer.py:990-1020), but also through callscope's
     `compile` override. A user's own `compile` with another signature gets stock
     Keras's treatment: a warning, and the model loads uncompiled."""
-    from keras.src.trainers.trainer import Trainer
-
     config = keras.saving.deserialize_keras_object(config)
     user_compile = next((c.__dict__["compile"] for c in type(model).__mro__
                          if "compile" in c.__dict__), None)
-    if user_compile not in (own_compile, Trainer.compile):
+    if user_compile not in (own_compile, keras.Model.compile):
         try:
             inspect.signature(model.compile).bind(**config)
         except TypeError:
-            return Trainer.compile_from_config(model, config)
+            return keras.Model.compile_from_config(model, config)
     model.compile(**config)
     if getattr(model, "optimizer", None) is not None and model.built:
         model.optimizer.build(model.trainable_variables)
@@ -314,10 +312,24 @@ def restore_purged_values(model, snapshot):
     if not snapshot:
         return
     for variable, value in snapshot:
-        if variable._value is None and value is not None:
+        deleted = getattr(value, "is_deleted", None)
+        if variable._value is None and value is not None and not (deleted and deleted()):
             variable._value = value
     model.__dict__["_jax_state"] = None
     model.__dict__["_jax_state_synced"] = True
+
+
+def eval_iterator(model):
+    """fit's cached validation iterator (`_eval_epoch_iterator`, 3.15.1:
+    backend/*/trainer.py fit): one per model, so a call that pauses parks it."""
+    return model.__dict__.get("_eval_epoch_iterator")
+
+
+def set_eval_iterator(model, iterator):
+    if iterator is None:
+        model.__dict__.pop("_eval_epoch_iterator", None)
+    else:
+        model.__dict__["_eval_epoch_iterator"] = iterator
 
 
 def mark_jax_state_stale(model):

@@ -144,8 +144,8 @@ class SharedState:
 
     - JAX: the loop keeps the weights out of the variables (`sync`, first, puts
       the paused loop's state back into them; its loop reads them again after).
-    - Metrics: Keras keeps them on the model, so each paused call's values are
-      saved and restored around the others' calls.
+    - Metrics, and fit's cached validation iterator: Keras keeps them on the
+      model, so each paused call's are parked and restored around the others'.
     """
 
     def __init__(self, model, sync: bool, metrics: bool):
@@ -160,12 +160,18 @@ class SharedState:
             return
         variables = list(model.metrics_variables)
         if previous is not None:
-            self._parked[previous] = [keras.ops.convert_to_numpy(v.value) for v in variables]
-        parked = self._parked.pop(current, None)
-        if parked is not None and len(parked) == len(variables):
-            for variable, value in zip(variables, parked):
+            self._parked[previous] = ([keras.ops.convert_to_numpy(v.value) for v in variables],
+                                      _keras_compat.eval_iterator(model))
+        values, iterator = self._parked.pop(current, (None, None))
+        _keras_compat.set_eval_iterator(model, iterator)
+        if values is not None and len(values) == len(variables):
+            for variable, value in zip(variables, values):
                 variable.assign(value)
             _keras_compat.mark_jax_state_stale(model)
+
+    def forget(self, thread: int) -> None:
+        """Drops what a call that ended (or raised) had parked."""
+        self._parked.pop(thread, None)
 
 
 class GateReleasing(keras.callbacks.Callback):
