@@ -32,8 +32,15 @@ from typing import Any
 import keras
 import numpy as np
 
-from callscope import _backend, _keras_compat, _keys, _record, _scope, _steps
+from callscope import _keras_compat, _keys, _record, _scope, _steps
 from callscope._capturing import CAPTURE, PATCH, CaptureMixin, first_batch_of
+from callscope._functions import (
+    PerKeyFunction,
+    RunFunction,
+    StepDispatch,
+    marked,
+    step_closure,
+)
 from callscope._logger import EpochStatistics
 from callscope._run import Gate, Run, SharedState, with_gate_callbacks
 
@@ -78,73 +85,6 @@ class _State:
         return set(self.static) | set(self.dynamic)
 
 
-class _PerKeyFunction:
-    """`self.<kind>_function`, resolved through the run in effect (see above)."""
-
-    def __init__(self, kind: str):
-        self.kind = kind
-
-    def __get__(self, model, owner=None):
-        if model is None:
-            return self
-        return model._cs_entry_now().functions[self.kind]
-
-    def __set__(self, model, value):
-        model._cs_entry_now().functions[self.kind] = value
-
-
-class _StepDispatch:
-    """Shadows `<kind>_step` on the instance: calls the step closure of the key in
-    effect. Holds the model as an attribute (not a closure), so deep copies rebind."""
-
-    def __init__(self, model, kind: str):
-        self.model = model
-        self.kind = kind
-
-    def __call__(self, *args, **kwargs):
-        model = self.model
-        run = _scope.run_of(model) if _scope.stepping(model) else None
-        entry = run.entry if run is not None else model._cs.replica_entry
-        if entry is None:  # a direct call (a custom loop, a callback): the caller's scope
-            return getattr(type(model), f"{self.kind}_step")(model, *args, **kwargs)
-        return entry.steps[self.kind](*args, **kwargs)
-
-
-def _step_closure(model, kind, values, specs, patches, reads):
-    """A fresh callable over `type(model).<kind>_step` that enters `values`.
-
-    New per key on purpose: JAX keys its trace cache on the callable. Everything it
-    reads is fixed by `values`, `specs` and `patches`: the frame it enters is sealed,
-    so a scope value outside the key cannot leak into the trace, and a name outside
-    the key that the trace looks up is kept in `reads` (checked at every call). With capture
-    specs, it collects inside the step and returns the records as extra outputs.
-    """
-    step = getattr(type(model), f"{kind}_step")
-
-    def scoped_step(*args, **kwargs):
-        with _scope.pushed(_scope.sealed(values, reads)), _record.patching(patches) as active:
-            if not specs:
-                result = step(model, *args, **kwargs)
-                model._cs.patch_hits.update(active.hits if active else ())
-                return result
-            with _record.collecting_for(specs) as collector:
-                if collector.wants_grads and kind != "predict":
-                    result = _steps.step_with_grads(model, kind, step, args, kwargs, collector)
-                else:
-                    result = step(model, *args, **kwargs)
-                result = _steps.unsmuggle(result, collector)
-                model._cs.patch_hits.update(active.hits if active else ())
-                model._cs.seen.update(dict.fromkeys(p for _, p, _, _, _ in collector.tree))
-                return _steps.attach(kind, result, collector.finalize())
-
-    scoped_step.__name__ = f"{kind}_step"
-    return scoped_step
-
-
-def _marked(key: tuple, mark: str) -> tuple:
-    return next((item[1] for item in key if item[0] == mark), ())
-
-
 class Engine(CaptureMixin):
     """The entry points of `ContextMixin` (see the module docstring).
 
@@ -156,9 +96,9 @@ class Engine(CaptureMixin):
     """
 
     context_cache_size: int = DEFAULT_CACHE_SIZE
-    train_function = _PerKeyFunction("train")
-    test_function = _PerKeyFunction("test")
-    predict_function = _PerKeyFunction("predict")
+    train_function = PerKeyFunction("train")
+    test_function = PerKeyFunction("test")
+    predict_function = PerKeyFunction("predict")
 
     def _cs_table(self) -> _keys.KeyTable:
         table = _keras_compat.get_instance_attribute(self, "_callscope_table")
@@ -168,8 +108,8 @@ class Engine(CaptureMixin):
         return table
 
     def _cs_make_steps(self, key: tuple, values: Mapping, reads: set) -> dict:
-        specs, patches = _marked(key, CAPTURE), _marked(key, PATCH)
-        return {kind: _step_closure(self, kind, dict(values), specs, patches, reads)
+        specs, patches = marked(key, CAPTURE), marked(key, PATCH)
+        return {kind: step_closure(self, kind, dict(values), specs, patches, reads)
                 for kind in _KINDS}
 
     def _cs_entry_now(self) -> _keys.Entry:
@@ -179,8 +119,8 @@ class Engine(CaptureMixin):
     def _cs_install_steps(self) -> None:
         for kind in _KINDS:
             name = f"{kind}_step"
-            if not isinstance(_keras_compat.get_instance_attribute(self, name), _StepDispatch):
-                _keras_compat.set_instance_attribute(self, name, _StepDispatch(self, kind))
+            if not isinstance(_keras_compat.get_instance_attribute(self, name), StepDispatch):
+                _keras_compat.set_instance_attribute(self, name, StepDispatch(self, kind))
 
     def _cs_check_stray(self) -> None:
         """A scope value that a sublayer declares but this model's key would not hold
@@ -348,9 +288,9 @@ class Engine(CaptureMixin):
     def _cs_wrap_function(self, kind: str):
         entry = self._cs_entry_now()
         function = entry.functions[kind]
-        if function is None or isinstance(function, _RunFunction):
+        if function is None or isinstance(function, RunFunction):
             return function
-        wrapped = entry.functions[kind] = _RunFunction(self, kind, function)
+        wrapped = entry.functions[kind] = RunFunction(self, kind, function)
         return wrapped
 
     def _cs_make(self, kind: str, make, force: bool):
@@ -360,13 +300,13 @@ class Engine(CaptureMixin):
         name = f"{kind}_step"
         with self._cs.make_lock:
             dispatcher = _keras_compat.get_instance_attribute(self, name)
-            if _JAX and isinstance(dispatcher, _StepDispatch):
+            if _JAX and isinstance(dispatcher, StepDispatch):
                 _keras_compat.set_instance_attribute(
                     self, name, self._cs_entry_now().steps[kind])
             try:
                 make(force=force)
             finally:
-                if _JAX and isinstance(dispatcher, _StepDispatch):
+                if _JAX and isinstance(dispatcher, StepDispatch):
                     _keras_compat.set_instance_attribute(self, name, dispatcher)
         return self._cs_wrap_function(kind)
 
@@ -390,42 +330,6 @@ class Engine(CaptureMixin):
         # unless the user's own `compile` takes other arguments: then warn and
         # load uncompiled, as stock Keras does for any overridden `compile`.
         return _keras_compat.compile_from_config(self, config, Engine.compile)
-
-
-class _RunFunction:
-    """Wraps a made `*_function`: puts the run's dynamic values in, and takes its
-    captured values out before Keras's loop sees them.
-
-    It reads the run from the caller's context, so the same compiled function
-    serves every run of its key, each with its own values and sinks.
-    """
-
-    def __init__(self, model, kind: str, function):
-        self.model, self.kind, self.__wrapped__ = model, kind, function
-
-    def __call__(self, *args, **kwargs):
-        model, function = self.model, self.__wrapped__
-        run = _scope.run_of(model)
-        if run is None or not (run.dynamic or run.replicated):  # the common case
-            with _scope.steps_of(model):
-                return _steps.pop_sown(self.kind, function(*args, **kwargs), run)
-        if run.dynamic and _JAX:
-            state = _keras_compat.replace_non_trainable(args[0], run.dynamic, _backend.place_like)
-            args = (state, *args[1:])
-        with contextlib.ExitStack() as stack:
-            state = model._cs
-            if run.replicated:
-                # Replica threads see no contextvars: they find the entry here.
-                stack.enter_context(state.replica_lock)
-                state.replica_entry = run.entry
-                stack.callback(setattr, state, "replica_entry", None)
-            if run.dynamic and not _JAX:
-                stack.enter_context(state.dynamic_lock)
-                for variable, array in run.dynamic:
-                    variable.assign(array)
-            stack.enter_context(_scope.steps_of(model))
-            result = function(*args, **kwargs)
-        return _steps.pop_sown(self.kind, result, run)
 
 
 _PARAMETER_CACHE: dict = {}

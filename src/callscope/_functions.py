@@ -1,0 +1,124 @@
+"""The compiled functions of a key, and how a run reaches them.
+
+- `PerKeyFunction`: `model.<kind>_function`, resolved through the run in effect to
+  its key's table entry (Keras reads and writes these attributes).
+- `StepDispatch`: shadows `<kind>_step` on the instance; while a run's made function
+  executes, it calls the key's step closure, otherwise the plain step.
+- `step_closure`: a fresh callable per key that enters the key's values inside the
+  traced step (a sealed frame) and returns captured values as extra outputs.
+- `RunFunction`: wraps a made function: the run's dynamic values in, its captured
+  values out to the run's sinks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import keras
+
+from callscope import _backend, _keras_compat, _record, _scope, _steps
+
+_JAX = keras.backend.backend() == "jax"
+
+
+class PerKeyFunction:
+    """`self.<kind>_function`, resolved through the run in effect (see above)."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+
+    def __get__(self, model, owner=None):
+        if model is None:
+            return self
+        return model._cs_entry_now().functions[self.kind]
+
+    def __set__(self, model, value):
+        model._cs_entry_now().functions[self.kind] = value
+
+
+class StepDispatch:
+    """Shadows `<kind>_step` on the instance: calls the step closure of the key in
+    effect. Holds the model as an attribute (not a closure), so deep copies rebind."""
+
+    def __init__(self, model, kind: str):
+        self.model = model
+        self.kind = kind
+
+    def __call__(self, *args, **kwargs):
+        model = self.model
+        run = _scope.run_of(model) if _scope.stepping(model) else None
+        entry = run.entry if run is not None else model._cs.replica_entry
+        if entry is None:  # a direct call (a custom loop, a callback): the caller's scope
+            return getattr(type(model), f"{self.kind}_step")(model, *args, **kwargs)
+        return entry.steps[self.kind](*args, **kwargs)
+
+
+def step_closure(model, kind, values, specs, patches, reads):
+    """A fresh callable over `type(model).<kind>_step` that enters `values`.
+
+    New per key on purpose: JAX keys its trace cache on the callable. Everything it
+    reads is fixed by `values`, `specs` and `patches`: the frame it enters is sealed,
+    so a scope value outside the key cannot leak into the trace, and a name outside
+    the key that the trace looks up is kept in `reads` (checked at every call). With capture
+    specs, it collects inside the step and returns the records as extra outputs.
+    """
+    step = getattr(type(model), f"{kind}_step")
+
+    def scoped_step(*args, **kwargs):
+        with _scope.pushed(_scope.sealed(values, reads)), _record.patching(patches) as active:
+            if not specs:
+                result = step(model, *args, **kwargs)
+                model._cs.patch_hits.update(active.hits if active else ())
+                return result
+            with _record.collecting_for(specs) as collector:
+                if collector.wants_grads and kind != "predict":
+                    result = _steps.step_with_grads(model, kind, step, args, kwargs, collector)
+                else:
+                    result = step(model, *args, **kwargs)
+                result = _steps.unsmuggle(result, collector)
+                model._cs.patch_hits.update(active.hits if active else ())
+                model._cs.seen.update(dict.fromkeys(p for _, p, _, _, _ in collector.tree))
+                return _steps.attach(kind, result, collector.finalize())
+
+    scoped_step.__name__ = f"{kind}_step"
+    return scoped_step
+
+
+def marked(key: tuple, mark: str) -> tuple:
+    return next((item[1] for item in key if item[0] == mark), ())
+
+
+class RunFunction:
+    """Wraps a made `*_function`: puts the run's dynamic values in, and takes its
+    captured values out before Keras's loop sees them.
+
+    It reads the run from the caller's context, so the same compiled function
+    serves every run of its key, each with its own values and sinks.
+    """
+
+    def __init__(self, model, kind: str, function):
+        self.model, self.kind, self.__wrapped__ = model, kind, function
+
+    def __call__(self, *args, **kwargs):
+        model, function = self.model, self.__wrapped__
+        run = _scope.run_of(model)
+        if run is None or not (run.dynamic or run.replicated):  # the common case
+            with _scope.steps_of(model):
+                return _steps.pop_sown(self.kind, function(*args, **kwargs), run)
+        if run.dynamic and _JAX:
+            state = _keras_compat.replace_non_trainable(args[0], run.dynamic, _backend.place_like)
+            args = (state, *args[1:])
+        with contextlib.ExitStack() as stack:
+            state = model._cs
+            if run.replicated:
+                # Replica threads see no contextvars: they find the entry here.
+                stack.enter_context(state.replica_lock)
+                state.replica_entry = run.entry
+                stack.callback(setattr, state, "replica_entry", None)
+            if run.dynamic and not _JAX:
+                stack.enter_context(state.dynamic_lock)
+                for variable, array in run.dynamic:
+                    variable.assign(array)
+            stack.enter_context(_scope.steps_of(model))
+            result = function(*args, **kwargs)
+        return _steps.pop_sown(self.kind, result, run)
