@@ -49,6 +49,15 @@ def _scaled():
     return model
 
 
+def _predict_step(model, x):
+    """`model.predict_step` called directly, as a custom loop would (JAX: statelessly)."""
+    if BACKEND == "jax":
+        state = ([v.value for v in model.trainable_variables],
+                 [v.value for v in model.non_trainable_variables])
+        return numpy(model.predict_step(state, (x,))[0])
+    return numpy(model.predict_step((x,)))
+
+
 def _in_threads(*targets):
     errors = []
 
@@ -699,11 +708,7 @@ def test_a_direct_step_call_uses_the_callers_scope():
     model.register_context_args("mode")
 
     def step():
-        if BACKEND == "jax":
-            state = ([v.value for v in model.trainable_variables],
-                     [v.value for v in model.non_trainable_variables])
-            return numpy(model.predict_step(state, (X,))[0])
-        return numpy(model.predict_step((X,)))
+        return _predict_step(model, X)
 
     base = step()
     model.predict(X, verbose=0)
@@ -783,12 +788,7 @@ def test_a_step_called_from_a_callback_under_a_capture_is_a_plain_step():
 
     class Steps(keras.callbacks.Callback):
         def on_epoch_end(self, epoch, logs=None):
-            if BACKEND == "jax":
-                state = ([v.value for v in model.trainable_variables],
-                         [v.value for v in model.non_trainable_variables])
-                got.append(numpy(model.predict_step(state, (X,))[0]))
-            else:
-                got.append(numpy(model.predict_step((X,))))
+            got.append(_predict_step(model, X))
 
     with cs.capture(model, "s/d") as cap:
         model.fit(X, Y, batch_size=8, epochs=1, verbose=0, callbacks=[Steps()])

@@ -147,7 +147,6 @@ class Engine(CaptureMixin):
         """The hidden variable of dynamic `name` (made at its first value), and the
         value as an array of its dtype and shape."""
         state = self._cs
-        variable = state.dynamic.get(name)
         array = np.asarray(keras.ops.convert_to_numpy(value))
         with state.lock:
             variable = state.dynamic.get(name)
