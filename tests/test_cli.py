@@ -57,13 +57,13 @@ def test_inspect_statistics_match_numpy_and_json_parses(saved, tmp_path):
     proc = run("inspect", path, "--data", tmp_path / "x.npy", "--json", "--batch-size", 16)
     assert proc.returncode == 0, proc.stderr[-3000:]
     stats = json.loads(proc.stdout)
-    assert stats["hidden:output/mean"] == pytest.approx(hidden.mean(), rel=1e-5)
-    assert stats["hidden:output/std"] == pytest.approx(hidden.std(), rel=1e-4)
-    assert stats["hidden:output/frac_zero"] == pytest.approx((hidden == 0).mean())
-    # A loaded model's layers carry Keras's `layer.path` as built on load: "hidden".
-    proc = run("inspect", path, "--data", tmp_path / "x.npy", "--select", "hidden")
+    assert stats["seq/hidden:output/mean"] == pytest.approx(hidden.mean(), rel=1e-5)
+    assert stats["seq/hidden:output/std"] == pytest.approx(hidden.std(), rel=1e-4)
+    assert stats["seq/hidden:output/frac_zero"] == pytest.approx((hidden == 0).mean())
+    # A loaded model's points are named from the call tree, as in-process: "seq/hidden".
+    proc = run("inspect", path, "--data", tmp_path / "x.npy", "--select", "seq/hidden")
     assert proc.returncode == 0
-    assert "hidden (Dense)" in proc.stdout and "hidden:output" in proc.stdout
+    assert "seq/hidden (Dense)" in proc.stdout and "seq/hidden:output" in proc.stdout
 
 
 def test_inspect_out_streams_captures_and_never_overwrites(saved, tmp_path):
@@ -116,4 +116,4 @@ def test_untrusted_lambda_needs_unsafe(tmp_path):
     _one_line_error(run("inspect", path, "--data", tmp_path / "x.npy"), 1, "--unsafe")
     proc = run("inspect", path, "--data", tmp_path / "x.npy", "--unsafe", "--json")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert json.loads(proc.stdout)["lambda:output/mean"] == pytest.approx(2.0)
+    assert json.loads(proc.stdout)["lam/lambda:output/mean"] == pytest.approx(2.0)

@@ -134,10 +134,10 @@ def test_class_weights_equal_the_matching_sample_weights():
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     labels = np.array([0, 1, 2, 1, 0, 2])
     class_weight = {0: 1.0, 1: 3.0, 2: 0.5}
-    with cs.capture(model, "hidden", kinds=("grad",)) as by_class:
+    with cs.capture(model, "*/hidden", kinds=("grad",)) as by_class:
         model.fit(X, labels, class_weight=class_weight, batch_size=6, shuffle=False, verbose=0)
     weights = np.array([class_weight[c] for c in labels], "float32")
-    with cs.capture(model, "hidden", kinds=("grad",)) as by_sample:
+    with cs.capture(model, "*/hidden", kinds=("grad",)) as by_sample:
         model.fit(X, labels, sample_weight=weights, batch_size=6, shuffle=False, verbose=0)
     np.testing.assert_allclose(by_class["hidden:grad"], by_sample["hidden:grad"], rtol=1e-6)
     assert np.abs(by_class["hidden:grad"]).max() > 0

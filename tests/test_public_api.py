@@ -5,7 +5,7 @@ import inspect
 import callscope as cs
 
 PUBLIC = {
-    "Capture", "ContextMixin", "Functional", "Model", "Sequential", "capture", "collecting",
+    "Batch", "Capture", "LoopPointError", "ContextMixin", "Functional", "Model", "Sequential", "capture", "collecting",
     "context", "context_args", "current", "emit", "enable", "intermediate_grads",
     "IntermediateGrads", "patch", "points", "sow", "summary",
 }

@@ -30,16 +30,20 @@ from callscope._model import Sequential as Sequential
 from callscope._model import context_args as context_args
 from callscope._model import enable as enable
 from callscope._patch import patch as patch
+from callscope._record import Batch as Batch
+from callscope._record import LoopPointError as LoopPointError
 from callscope._summary import points as points
 from callscope._summary import summary as summary
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Batch",
     "Capture",
     "ContextMixin",
     "Functional",
     "IntermediateGrads",
+    "LoopPointError",
     "Model",
     "Sequential",
     "capture",

@@ -65,3 +65,52 @@ def place_like(array, like):
 
     sharding = getattr(like, "sharding", None)
     return jax.device_put(array, sharding) if sharding is not None else jax.numpy.asarray(array)
+
+
+def trace_marker():
+    """What identifies the trace that Python runs in now: a layer whose `call`
+    starts under another marker than its caller's runs inside a loop body or
+    other nested transformation (`scan`, `while_loop`, `cond`, `vmap`), whose
+    values cannot leave it. JAX: the current trace (jax 0.10.2:
+    `jax._src.core.trace_ctx`, the only way to ask; None if it moves). TF: the
+    default graph (a loop body is a graph of its own). torch runs loops in Python:
+    the depth of `keras.ops` loops (`_keras_compat.mark_torch_loops`); RNN layers
+    are known by type."""
+    if BACKEND == "jax":
+        from jax._src import core
+
+        ctx = getattr(core, "trace_ctx", None)
+        return getattr(ctx, "trace", None)
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        return None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+    if BACKEND == "torch":
+        from callscope import _keras_compat
+
+        return _keras_compat.torch_loop_depth()
+    return None
+
+
+def check_same_shape(out, value, message: str):
+    """`out` if it has `value`'s structure and shape; else a ValueError (`message`
+    takes `{got}` and `{want}`). Where TF does not know a dimension while tracing,
+    the check runs in the graph."""
+    outs, wants = keras.tree.flatten(out), keras.tree.flatten(value)
+    got = [tuple(getattr(o, "shape", ())) for o in outs]
+    want = [tuple(getattr(w, "shape", ())) for w in wants]
+    shown = (lambda s: s[0] if len(s) == 1 else s)
+    if len(got) != len(want) or any(
+        len(g) != len(w) or any(a is not None and b is not None and a != b
+                                for a, b in zip(g, w)) for g, w in zip(got, want)):
+        raise ValueError(message.format(got=shown(got), want=shown(want)))
+    if BACKEND == "tensorflow" and any(None in g or None in w for g, w in zip(got, want)):
+        import tensorflow as tf
+
+        for o, w, g, s in zip(outs, wants, got, want):
+            if None in g or None in s:
+                tf.debugging.assert_equal(
+                    tf.shape(o), tf.shape(w),
+                    message=message.format(got="(the first shape below)",
+                                           want="(the second)"))
+    return out

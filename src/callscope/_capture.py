@@ -15,6 +15,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import shutil
 import threading
 from collections.abc import Callable, Mapping
 
@@ -40,8 +41,10 @@ class Capture(Mapping):
     `cap.calls`, with `nested=True`, and never mix into the outer call's rows.
     """
 
-    def __init__(self, model, spec: Spec, to: str | os.PathLike | None, log: bool = False):
+    def __init__(self, model, spec: Spec, to: str | os.PathLike | None, log: bool = False,
+                 overwrite: bool = False):
         self.model = model
+        self._overwrite = overwrite
         self.spec = spec
         self.log = log
         self.calls: list[_sinks.Call] = []
@@ -99,11 +102,14 @@ class Capture(Mapping):
             raise RuntimeError("A `cs.capture` scope can be entered once. Open a new one.")
         if self._dir is not None:
             os.makedirs(self._dir, exist_ok=True)
+            if os.listdir(self._dir) and self._overwrite:
+                shutil.rmtree(self._dir)
+                os.makedirs(self._dir)
             if os.listdir(self._dir):
                 raise FileExistsError(
                     f"`{self._dir}` already holds a capture or other files: cs.capture(to=...) "
                     "never writes into a directory that holds files. Choose a new or empty "
-                    "directory. "
+                    "directory, or pass overwrite=True to delete what it holds first. "
                     f"Received: to={self._dir!r}"
                 )
         self._token = _scope.enter_capture(self)
@@ -153,6 +159,7 @@ def capture(
     bins: int = 32,
     hist_range: tuple[float, float] | None = None,
     to: str | os.PathLike | None = None,
+    overwrite: bool = False,
     log: bool = False,
 ) -> Capture:
     """A scope that captures intermediates of every call of `model` inside it.
@@ -169,7 +176,8 @@ def capture(
         hist_range: `(lo, hi)` for `hist`; by default taken from the first batch
             (array inputs).
         to: a directory: full tensors stream there in shards, and are read back
-            memory-mapped.
+            memory-mapped. It must be new or empty, unless `overwrite=True`.
+        overwrite: with `to=`, delete whatever the directory holds first.
         log: with `reduce=`, each `fit` in the scope adds one exact per-epoch
             aggregate of every statistic to the epoch logs (History, CSVLogger,
             TensorBoard record them; the progress bar does not show them).
@@ -212,5 +220,5 @@ def capture(
     if log and not stats:
         raise ValueError("`log=True` puts statistics into the epoch logs: give `reduce=` too. "
                          f"Received: log={log}, reduce={reduce!r}")
-    spec = Spec(select, kinds, stats, int(bins), hist_range)
-    return Capture(model, spec, to, log=log)
+    spec = Spec(select, kinds, stats, int(bins), hist_range, owner=id(model))
+    return Capture(model, spec, to, log=log, overwrite=overwrite)

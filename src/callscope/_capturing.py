@@ -11,11 +11,13 @@ and the list of known points for error messages. `ContextMixin` builds on it.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 
 import keras
 import numpy as np
 
 from callscope import _record, _keras_compat, _scope, _steps
+from callscope._points import loop_points, tree_points
 from callscope._run import Run
 
 CAPTURE = "<capture>"  # key entry holding the specs of the active captures
@@ -29,8 +31,9 @@ class CaptureMixin:
         """Builds the model, installs the wrappers and settles each capture's spec."""
         if not self.built and first_batch is not None:
             with _record.collecting_for(()):  # a plain call: builds, records nothing
-                self(first_batch, training=False)  # layer paths are set on build
+                self(first_batch, training=False)
         _record.install_wrappers(self)
+        self._cs_check_loops(captures, ())
         if any(c.spec.stats and "hist" in c.spec.stats and not c.spec.hist_range
                and not c.spec.ranges for c in captures):
             self._cs_hist_ranges(captures, first_batch)
@@ -59,10 +62,31 @@ class CaptureMixin:
                     ranges.append((key, lo, hi if hi > lo else lo + 1.0))
             capture.spec = dataclasses.replace(capture.spec, ranges=tuple(sorted(ranges)))
 
+    def _cs_check_loops(self, captures, patches) -> None:
+        """A capture or patch that names a layer inside an RNN exactly is refused
+        before the run, on every backend alike (some fuse the loop and never call
+        the cell)."""
+        owners = {id(layer): layer for layer in _keras_compat.flatten_layers(self)}
+        named = [(c.model, s) for c in captures if isinstance(c.spec.select, tuple)
+                 for s in c.spec.select]
+        named += [(owners.get(owner), point) for owner, point, _ in patches]
+        found = {}
+        for owner, point in named:
+            if owner is None:
+                continue
+            if id(owner) not in found:
+                found[id(owner)] = loop_points(owner)
+            if point in found[id(owner)]:
+                wanted = [point] if any(p == point for c in captures
+                                        if isinstance(c.spec.select, tuple)
+                                        for p in c.spec.select) else ()
+                raise _record.LoopPointError(
+                    _record.loop_message(point, found[id(owner)][point], wanted))
+
     def _cs_known_points(self) -> list[str]:
-        layers = [_record.point_of(layer) for layer in _keras_compat.flatten_layers(self)
-                  if not isinstance(layer, keras.layers.InputLayer)]
-        return list(dict.fromkeys([*layers, *self._cs.seen]))
+        loops = loop_points(self)
+        return [p for p in dict.fromkeys([*self._cs.seen, *tree_points(self)])
+                if p not in loops and p not in self._cs.loops]
 
     def _cs_loss_hook(self, loss):
         return _steps.loss_hook(loss)  # see _keras_compat.LossHook
@@ -84,6 +108,7 @@ class CaptureMixin:
         specs = self._cs_prepare_capture(captures, first) if captures else ()
         if patches:
             _record.install_wrappers(self)
+            self._cs_check_loops(captures, patches)
         nested = _scope.run_of(self) is not None
         calls = tuple(c._begin("__call__", nested) for c in captures)
         run = Run(self, "__call__", self._cs_table().default, (), calls, patches, nested)
@@ -92,10 +117,39 @@ class CaptureMixin:
                     _record.patching(patches) as active:
                 outputs = self(*args, **kwargs)
                 sown = collector.finalize()
-        self._cs.patch_hits.update(active.hits if active else ())
-        self._cs.seen.update(dict.fromkeys(p for _, p, _, _, _ in collector.tree))
+            self._cs_note_points(collector, active, hits := set())
+        self._cs_check_reached(run, hits)
         run.sink("call", sown)
         return outputs
+
+    def _cs_note_points(self, collector, active, hits: set) -> None:
+        """What a trace learned: its points (for error messages), the points it
+        found inside loops, and the patched points it reached."""
+        state = self._cs
+        state.seen.update(dict.fromkeys(p for _, p, _, v, _ in collector.tree
+                                        if v is not _record.LOOP))
+        state.loops.update(collector.loops)
+        hits.update(active.hits if active else ())
+
+    def _cs_check_reached(self, run, hits: set) -> None:
+        """A patch that this run's traces never reached is an error, at its end."""
+        missed = [(owner, point) for owner, point, _ in run.patches
+                  if (owner, point) not in hits]
+        if not missed:
+            return
+        known = self._cs_known_points()
+        points = [p for _, p in missed]
+        inside = {p: self._cs.loops[p] for p in points if p in self._cs.loops}
+        if inside:
+            raise _record.LoopPointError(_record.loop_message(*next(iter(inside.items()))))
+        near = sorted({n for p in points for n in difflib.get_close_matches(p, known, n=4,
+                                                                           cutoff=0.3)})
+        raise ValueError(
+            f"cs.patch never reached {points} in this `{run.method}`: no layer or sown "
+            f"value that the call ran has that point. Nearest points: {near or known[:8]}. "
+            "Use `cs.points(model, x)` to list them. "
+            f"Received: patches={[p for _, p, _ in run.patches]}"
+        )
 
 
 def first_batch_of(args, kwargs):

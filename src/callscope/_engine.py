@@ -42,7 +42,7 @@ from callscope._functions import (
     step_closure,
 )
 from callscope._logger import EpochStatistics
-from callscope._run import Gate, Run, SharedState, with_gate_callbacks
+from callscope._run import Gate, RowOffset, Run, SharedState, with_gate_callbacks
 
 DEFAULT_CACHE_SIZE = 8
 _KINDS = _keys.KINDS
@@ -62,8 +62,9 @@ class _State:
         self.lock = threading.RLock()  # registration only; never held across a call
         self.unbaked = False
         self.declared: frozenset | None = None  # names declared by sublayers
-        self.patch_hits: set[str] = set()  # patched points seen in traces
         self.seen: dict[str, None] = {}  # points seen in traces, for error messages
+        self.loops: dict[str, str] = {}  # points seen inside loops -> the loop's layer
+        self.rows_offset: keras.Variable | None = None  # patches that take the batch
         self.replica_lock = threading.Lock()  # tf.distribute: replica threads see no
         self.replica_entry = None  # contextvars, so the tracing call's entry is here
         self.dynamic_lock = threading.Lock()  # TF/torch: one assign-and-call at a time
@@ -107,9 +108,9 @@ class Engine(CaptureMixin):
             _keras_compat.set_instance_attribute(self, "_callscope_table", table)
         return table
 
-    def _cs_make_steps(self, key: tuple, values: Mapping, reads: set) -> dict:
+    def _cs_make_steps(self, key: tuple, values: Mapping, reads: set, hits: set) -> dict:
         specs, patches = marked(key, CAPTURE), marked(key, PATCH)
-        return {kind: step_closure(self, kind, dict(values), specs, patches, reads)
+        return {kind: step_closure(self, kind, dict(values), specs, patches, reads, hits)
                 for kind in _KINDS}
 
     def _cs_entry_now(self) -> _keys.Entry:
@@ -207,6 +208,7 @@ class Engine(CaptureMixin):
                 key = (*key, (CAPTURE, specs))
             if patches:
                 _record.install_wrappers(self)
+                self._cs_check_loops(captures, patches)
                 key = (*key, (PATCH, patches))
         table = self._cs_table()
         entry = table.acquire(key, values, self.context_cache_size)
@@ -219,7 +221,7 @@ class Engine(CaptureMixin):
                 positions = {id(v): i for i, v in enumerate(self.non_trainable_variables)}
                 dynamic = [(positions[id(v)], a) for v, a in dynamic]
             run = Run(self, method, entry, tuple(dynamic), calls, patches, nested,
-                      _keras_compat.replicas(self) > 1)
+                      _keras_compat.replicas(self) > 1, self._cs_row_offset(method, patches))
             logging = next((i for i, c in enumerate(captures) if c.log), None)
             if method == "fit" and logging is not None:
                 user = list(kwargs.get("callbacks") or [])
@@ -227,9 +229,41 @@ class Engine(CaptureMixin):
             gates = state.gates(method)
             if gates and method in ("fit", "evaluate", "predict"):
                 kwargs["callbacks"] = with_gate_callbacks(kwargs.get("callbacks"), gates, self)
-            return self._cs_call_keras(method, run, frame, args, kwargs)
+            result = self._cs_call_keras(method, run, frame, args, kwargs)
+            self._cs_check_reached(run, entry.hits)
+            return result
         finally:
             table.release(entry)
+
+    def _cs_row_offset(self, method: str, patches: tuple):
+        """Where a run's row offset goes, for patches that take the batch (else None)."""
+        batch = [fn for _, _, fn in patches if getattr(fn, "takes_batch", False)]
+        if not batch:
+            return None
+        steps = getattr(self, "steps_per_execution", 1) or 1
+        replicas = _keras_compat.replicas(self)
+        if steps > 1 or replicas > 1:
+            raise ValueError(
+                "A patch that takes the batch (`fn(value, batch)` or an array) needs "
+                "one batch per compiled step on one replica, to know each batch's rows. "
+                "Compile with steps_per_execution=1 and run outside a multi-replica "
+                f"strategy. Received: steps_per_execution={steps}, replicas={replicas}"
+            )
+        state = self._cs
+        with state.lock:
+            if state.rows_offset is None:
+                strategy = getattr(self, "distribute_strategy", None)
+                scope = strategy.scope() if strategy is not None else contextlib.nullcontext()
+                with scope:
+                    state.rows_offset = keras.Variable(np.int32(0), dtype="int32",
+                                                       trainable=False, name="callscope_rows")
+                _keras_compat.add_hidden_state(self, state.rows_offset)
+        target = state.rows_offset
+        if _JAX:
+            target = next(i for i, v in enumerate(self.non_trainable_variables)
+                          if v is state.rows_offset)
+        limits = [fn.rows for fn in batch if getattr(fn, "rows", None) is not None]
+        return RowOffset(target, min(limits) if limits else None)
 
     def _cs_call_keras(self, method, run, frame, args, kwargs):
         state = self._cs

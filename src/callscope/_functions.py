@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 
 import keras
+import numpy as np
 
 from callscope import _backend, _keras_compat, _record, _scope, _steps
 
@@ -53,32 +54,34 @@ class StepDispatch:
         return entry.steps[self.kind](*args, **kwargs)
 
 
-def step_closure(model, kind, values, specs, patches, reads):
+def step_closure(model, kind, values, specs, patches, reads, hits):
     """A fresh callable over `type(model).<kind>_step` that enters `values`.
 
     New per key on purpose: JAX keys its trace cache on the callable. Everything it
     reads is fixed by `values`, `specs` and `patches`: the frame it enters is sealed,
     so a scope value outside the key cannot leak into the trace, and a name outside
-    the key that the trace looks up is kept in `reads` (checked at every call). With capture
-    specs, it collects inside the step and returns the records as extra outputs.
+    the key that the trace looks up is kept in `reads` (checked at every call). With
+    capture specs or patches, it names points inside the step (`_record.Collector`),
+    returns the records as extra outputs, and notes the patched points it reached
+    in `hits` (checked when each run ends).
     """
     step = getattr(type(model), f"{kind}_step")
 
     def scoped_step(*args, **kwargs):
-        with _scope.pushed(_scope.sealed(values, reads)), _record.patching(patches) as active:
-            if not specs:
-                result = step(model, *args, **kwargs)
-                model._cs.patch_hits.update(active.hits if active else ())
-                return result
-            with _record.collecting_for(specs) as collector:
+        with _scope.pushed(_scope.sealed(values, reads)):
+            if not specs and not patches:
+                return step(model, *args, **kwargs)
+            offset = model._cs.rows_offset if patches else None
+            with _record.collecting_for(specs) as collector, \
+                    _record.patching(patches, offset) as active:
                 if collector.wants_grads and kind != "predict":
                     result = _steps.step_with_grads(model, kind, step, args, kwargs, collector)
                 else:
                     result = step(model, *args, **kwargs)
                 result = _steps.unsmuggle(result, collector)
-                model._cs.patch_hits.update(active.hits if active else ())
-                model._cs.seen.update(dict.fromkeys(p for _, p, _, _, _ in collector.tree))
-                return _steps.attach(kind, result, collector.finalize())
+                model._cs_note_points(collector, active, hits)
+                sown = collector.finalize()
+                return _steps.attach(kind, result, sown) if sown else result
 
     scoped_step.__name__ = f"{kind}_step"
     return scoped_step
@@ -102,11 +105,14 @@ class RunFunction:
     def __call__(self, *args, **kwargs):
         model, function = self.model, self.__wrapped__
         run = _scope.run_of(model)
-        if run is None or not (run.dynamic or run.replicated):  # the common case
+        if run is None or not (run.dynamic or run.replicated or run.offset):  # common case
             with _scope.steps_of(model):
                 return _steps.pop_sown(self.kind, function(*args, **kwargs), run)
-        if run.dynamic and _JAX:
-            state = _keras_compat.replace_non_trainable(args[0], run.dynamic, _backend.place_like)
+        dynamic = run.dynamic
+        if run.offset is not None:  # this step's row offset, for patches of the batch
+            dynamic = (*dynamic, (run.offset.target, np.asarray(run.offset.rows, "int32")))
+        if dynamic and _JAX:
+            state = _keras_compat.replace_non_trainable(args[0], dynamic, _backend.place_like)
             args = (state, *args[1:])
         with contextlib.ExitStack() as stack:
             state = model._cs
@@ -115,9 +121,9 @@ class RunFunction:
                 stack.enter_context(state.replica_lock)
                 state.replica_entry = run.entry
                 stack.callback(setattr, state, "replica_entry", None)
-            if run.dynamic and not _JAX:
+            if dynamic and not _JAX:
                 stack.enter_context(state.dynamic_lock)
-                for variable, array in run.dynamic:
+                for variable, array in dynamic:
                     variable.assign(array)
             stack.enter_context(_scope.steps_of(model))
             result = function(*args, **kwargs)

@@ -15,6 +15,7 @@ so a Keras upgrade that moves one fails loudly instead of silently.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import inspect
 
@@ -93,10 +94,11 @@ def set_instance_attribute(obj, name, value):
     obj.__dict__[name] = value
 
 
-def set_instance_call(layer, wrapper):
-    """Shadows `layer.call` for `Operation.__call__` (keras 3.15.1:
-    ops/operation.py, `return self.call(*args, **kwargs)`)."""
-    layer.__dict__["call"] = wrapper
+def set_instance_call(layer, wrapper, name="call"):
+    """Shadows `layer.call` (or `layer.quantized_call`) for `Operation.__call__`
+    (keras 3.15.1: ops/operation.py:46-79, `self.quantized_call(...)` when the
+    layer is quantized, else `self.call(...)`)."""
+    layer.__dict__[name] = wrapper
 
 
 def get_instance_attribute(obj, name, default=None):
@@ -380,6 +382,46 @@ def copy_registered_name(source_cls, target_cls):
     names = object_registration.GLOBAL_CUSTOM_NAMES
     if source_cls in names:
         names[target_cls] = names[source_cls]
+
+
+_TORCH_LOOP_DEPTH = contextvars.ContextVar("callscope_torch_loop_depth", default=0)
+_TORCH_LOOPS = ("map", "vectorized_map", "scan", "associative_scan", "while_loop", "fori_loop")
+
+
+def torch_loop_depth() -> int:
+    """How many `keras.ops` loops (torch backend) the running Python is inside."""
+    return _TORCH_LOOP_DEPTH.get()
+
+
+def mark_torch_loops() -> None:
+    """torch runs `keras.ops.scan`/`while_loop`/... as Python loops, so a layer in
+    the body looks like any other call; wrap them once to count the depth.
+    (keras 3.15.1: ops/core.py calls `backend.core.<loop>` at call time;
+    backend/torch/core.py:400-760 defines them.)"""
+    from keras.src.backend.torch import core
+
+    for name in _TORCH_LOOPS:
+        loop = getattr(core, name, None)
+        if loop is None or getattr(loop, "_callscope_loop", False):
+            continue
+
+        @functools.wraps(loop)
+        def counted(*args, _loop=loop, **kwargs):
+            token = _TORCH_LOOP_DEPTH.set(_TORCH_LOOP_DEPTH.get() + 1)
+            try:
+                return _loop(*args, **kwargs)
+            finally:
+                _TORCH_LOOP_DEPTH.reset(token)
+
+        counted._callscope_loop = True
+        setattr(core, name, counted)
+
+
+def child_layers(layer):
+    """The layers `layer` tracks directly, InputLayers left out (keras 3.15.1:
+    layers/layer.py:1708)."""
+    return [child for child in layer._flatten_layers(include_self=False, recursive=False)
+            if not isinstance(child, keras.layers.InputLayer)]
 
 
 def flatten_layers(model):

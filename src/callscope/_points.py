@@ -1,10 +1,13 @@
 """Points: what a capture or patch can name, and how a capture selects them.
 
-A *point* is a layer (named by where it sits in the model, its Keras `layer.path`)
-or a value sown in a layer's `call` (`layer.path + "/" + name`). A *key* is
-`point:kind` (kind `output`, `input` or `grad`), with `@i` when one point runs
-several times in a step. A `Spec` is what one capture selects; it is hashable, so
-it can be part of a compiled function's key.
+A *point* is a layer, named by where it sits in the call tree (`_record.py`
+names them while the model runs: the caller's point, `/`, the layer's `name`), a
+value sown in a layer's `call` (`<layer point>/<name>`), or one element of a
+tuple, list or dict output (`<layer point>/<index or key>`). A *key* is
+`point:kind` (kind `output`, `input` or `grad`; `input/<argument>` when a layer
+takes several tensors), with `@i` when one point runs several times in a step. A
+`Spec` is what one capture selects; it is hashable, so it can be part of a
+compiled function's key.
 """
 
 from __future__ import annotations
@@ -17,9 +20,33 @@ from typing import Any
 KINDS = ("output", "input", "grad")
 
 
-def point_of(layer) -> str:
-    """A layer's point (read per call: `path` is set when the layer builds)."""
-    return getattr(layer, "path", None) or layer.name
+def tree_points(model) -> list[str]:
+    """The points of `model`'s layers from the tracked layer tree: what the call
+    tree gives for layers called by the layer that holds them. For error messages;
+    the names a run uses come from the calls themselves. Loop bodies left out."""
+    return [point for point, loop in walk_tree(model) if loop is None]
+
+
+def loop_points(model) -> dict[str, str]:
+    """The tracked layers inside an RNN (its cell and the cell's layers), each to
+    the RNN's point: whether or not a backend calls them, they are never points."""
+    return {point: loop for point, loop in walk_tree(model) if loop is not None}
+
+
+def walk_tree(model):
+    """(point, the point of the RNN it runs inside or None) of every tracked layer."""
+    import keras
+
+    from callscope import _keras_compat
+
+    def walk(layer, parent, loop):
+        point = f"{parent}/{layer.name}" if parent else layer.name
+        yield point, loop
+        inner = point if loop is None and isinstance(layer, keras.layers.RNN) else loop
+        for child in _keras_compat.child_layers(layer):
+            yield from walk(child, point, inner)
+
+    yield from walk(model, "", None)
 
 
 def key_name(point: str, kind: str, index: int, count: int) -> str:
@@ -52,6 +79,7 @@ class Spec:
     bins: int
     hist_range: tuple[float, float] | None
     ranges: tuple = ()  # ((key, lo, hi), ...) taken from the first batch
+    owner: int = 0  # id of the model whose capture this is (points are named from it)
 
     def selects(self, point: str, layer: Any, sown: bool) -> bool:
         if self.select is None:

@@ -1,12 +1,23 @@
-"""The collector that runs inside a step: `sow`, layer wrappers, patches.
+"""The collector that runs inside a step: point names, `sow`, layer wrappers, patches.
 
-A *point* is a layer (its Keras `layer.path`) or a value sown in a layer's `call`
-(`layer.path + "/" + name`). While a capture runs, the per-key step closure opens
-a `Collector` on the thread *inside* the traced step; `sow` and the `call`
-wrappers of the layers record into it (and, for `grad`, mark gradient sources),
-and `finalize` turns the records into the step's extra outputs. Patches replace
-a point's value on the way. Outside a capture or patch, `sow` is one thread-local
-lookup and the compiled graph has no extra outputs.
+A *point* is named by where its layer sits in the call tree: the point of the
+layer that calls it, `/`, and its own `name` (the root is the model's name). So
+`mlp/block/dense` is the Dense that the layer `block` calls inside the model
+`mlp`, whatever the build history, in-process and after `load_model`, weightless
+layers included. A sown value is `<layer point>/<name>`; an element of a tuple,
+list or dict output is `<layer point>/<index or key>`. Two layer instances are
+never one point: a second instance that would get a taken name gets `#1`, `#2`.
+
+While a capture or patch runs, the per-key step closure opens a `Collector` on
+the thread *inside* the traced step; `sow` and the `call` wrappers name points,
+apply patches and record what the specs select (for `grad`, they also mark
+gradient sources), and `finalize` turns the records into the step's extra
+outputs. Outside a capture or patch, `sow` is one context lookup and the
+compiled graph has no extra outputs.
+
+A layer called inside a loop body (an RNN's cell, `keras.ops.scan`, `fori_loop`,
+`while_loop`, `vectorized_map`) is not a point: its values cannot leave the loop.
+Globs skip it; naming it exactly, or patching it, raises `LoopPointError`.
 """
 
 from __future__ import annotations
@@ -15,31 +26,67 @@ import contextlib
 import contextvars
 import inspect
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import keras
+import numpy as np
 from keras import ops
 
-from callscope import _keras_compat, _reduce
-from callscope._points import Spec, key_name, point_of
+from callscope import _backend, _keras_compat, _reduce
+from callscope._points import Spec, key_name
 
 SOWN = "__callscope_sown__"
 OUTPUTS = "__callscope_outputs__"
+ROWS = "__callscope_rows__"  # a step's batch size, for patches that take the batch
+LOOP = object()  # the tree's value for a point inside a loop
+RESERVED = ("/", ":", "@", "|", "#", "*", "?", "[", "]")
 _COLLECTOR: contextvars.ContextVar = contextvars.ContextVar("callscope_collector", default=None)
 _ACTIVE_PATCHES: contextvars.ContextVar = contextvars.ContextVar("callscope_patching",
                                                                  default=None)
 _TORCH = keras.backend.backend() == "torch"
 
+
+class LoopPointError(ValueError):
+    """A capture or patch named a point that runs inside a loop body.
+
+    A layer called inside a loop (an RNN's cell, `keras.ops.scan`) makes values
+    that cannot leave the loop; capture the layer that runs the loop instead.
+
+    Example:
+
+    >>> import keras, numpy as np, callscope as cs
+    >>> model = cs.Sequential([keras.Input((3, 2)), keras.layers.SimpleRNN(2, name="rnn")],
+    ...                       name="m")
+    >>> try:
+    ...     with cs.capture(model, "m/rnn/simple_rnn_cell"):
+    ...         _ = model.predict(np.ones((1, 3, 2)), verbose=0)
+    ... except cs.LoopPointError:
+    ...     print("capture m/rnn instead")
+    capture m/rnn instead
+    """
+
+
+class _Frame(NamedTuple):
+    point: str
+    layer: Any
+    marker: Any  # _backend.trace_marker() when the layer's call started
+    in_loop: bool  # the layer itself runs inside a loop body
+    runs_loop: bool  # an RNN: what it calls runs inside its loop
+
+
 # --------------------------------------------------------------------------
 # The in-step collector
 # --------------------------------------------------------------------------
 class Collector:
-    """Records what the active specs select, during one step or one eager call."""
+    """Names points and records what the active specs select, during one step or
+    one eager call."""
 
     def __init__(self, specs: tuple[Spec, ...]):
         self.specs = specs
         self.records: dict[str, list] = {}
-        self.stack: list[str] = []
+        self.stack: list[_Frame] = []
+        self.owners: dict[str, int] = {}  # point -> id(layer): instances never share
+        self.loops: dict[str, str] = {}  # point inside a loop -> the layer running it
         self.tree: list[tuple] = []  # (depth, point, layer, value, sown) for summary
         self.wants_inputs = any("input" in spec.kinds for spec in specs)
         self.wants_grads = any("grad" in spec.kinds for spec in specs)
@@ -47,23 +94,86 @@ class Collector:
         self.perturbations: dict | None = None
         self.loss = None  # set by the loss hook, for TensorFlow's outer tape
         self.manual = False  # cs.intermediate_grads takes the gradients itself
+        self.rows = None  # the root call's batch size (patches that take the batch)
         # Makes a gradient source differentiable (TF: tape.watch; torch: a leaf
         # that requires grad) and returns the value the forward pass goes on with.
         self.on_grad_source = _differentiable_source()
 
-    def record(self, point: str, layer: Any, kind: str, value: Any, sown: bool) -> Any:
+    # -- naming ------------------------------------------------------------
+    def name(self, layer) -> str:
+        """The point of `layer` called now: its caller's point, `/`, its name."""
+        parent = self.stack[-1].point if self.stack else ""
+        base = point = f"{parent}/{layer.name}" if parent else layer.name
+        n = 0
+        while self.owners.setdefault(point, id(layer)) != id(layer):
+            n += 1
+            point = f"{base}#{n}"
+        return point
+
+    def sown_point(self, layer, name: str) -> str:
+        for frame in reversed(self.stack):
+            if frame.layer is layer:
+                return f"{frame.point}/{name}"
+        return f"{self.name(layer)}/{name}"
+
+    def relative(self, point: str, owner: int, layer=None, own: str | None = None):
+        """`point` as the capture or patch of the model `owner` (an id) names it:
+        from that model down, whatever model the run called. None: not inside it.
+        `layer` and `own` (its point) name a layer's own output after its call."""
+        if not owner or not self.stack or id(self.stack[0].layer) == owner:
+            if not self.stack and layer is not None and id(layer) != owner and owner:
+                return None  # the root's own output, for an inner model's scope
+            return point
+        if layer is not None and id(layer) == owner:
+            return layer.name + point[len(own or point):]
+        for frame in self.stack:
+            if id(frame.layer) == owner:
+                tail = point[len(frame.point):]
+                if point.startswith(frame.point) and tail[:1] in ("", "/"):
+                    return frame.layer.name + tail
+                return None
+        return None
+
+    def in_loop(self, marker) -> bool:
+        """Is a value made now, under `marker`, inside a loop of the layer calling?"""
+        if not self.stack:
+            return False
+        top = self.stack[-1]
+        return top.in_loop or top.runs_loop or top.marker != marker
+
+    def enclosing(self) -> str:
+        return next((f.point for f in reversed(self.stack) if not f.in_loop), "")
+
+    def check_loop_point(self, point: str, patches) -> None:
+        """A point inside a loop: remembered; an exact selection or a patch raises."""
+        enclosing = self.loops.setdefault(point, self.enclosing())
+        named = [s for spec in self.specs if isinstance(spec.select, tuple)
+                 for s in spec.select if s == self.relative(point, spec.owner)]
+        if named or (patches is not None and patches.find(point, self) is not None):
+            raise LoopPointError(loop_message(point, enclosing, named))
+
+    # -- recording ---------------------------------------------------------
+    def record(self, point: str, layer: Any, kind: str, value: Any, sown: bool,
+               parent: str | None = None) -> Any:
         """Records `value` for every spec that selects it; returns the value to use.
 
-        For a `grad` spec the value is also a gradient source: with a perturbation
-        active (JAX), the returned value is `value + perturbation`, so that the
-        gradient with respect to the perturbation is d loss / d value.
+        `kind` is `output`, `input` or `input/<argument>`. `parent` is the layer's
+        point when `point` is one element of its output: selecting either selects
+        the element. For a `grad` spec the value is also a gradient source: with a
+        perturbation active (JAX), the returned value is `value + perturbation`, so
+        the gradient with respect to the perturbation is d loss / d value.
         """
-        if kind == "output":
-            self.tree.append((len(self.stack), point, layer, value, sown))
+        base_kind = kind.partition("/")[0]
+        full = point
         for index, spec in enumerate(self.specs):
-            if not spec.selects(point, layer, sown):
+            point = self.relative(full, spec.owner, None if sown else layer, parent or full)
+            if point is None:
                 continue
-            if kind in spec.kinds:
+            whole = None if parent is None else point[:len(point) - len(full) + len(parent)]
+            if not (spec.selects(point, layer, sown)
+                    or (whole is not None and spec.selects(whole, layer, sown))):
+                continue
+            if base_kind in spec.kinds:
                 self.records.setdefault(f"{index}|{point}|{kind}", []).append(value)
             if kind == "output" and "grad" in spec.kinds:
                 sources = self.grad_sources.setdefault(f"{index}|{point}|grad", [])
@@ -83,7 +193,7 @@ class Collector:
     def add_grads(self, grads: Mapping[str, Any]) -> None:
         """Files gradients (keyed `index|point|n`) as `grad` records."""
         for name, grad in grads.items():
-            index, point, _ = name.split("|")
+            index, point, _ = split_record(name)
             self.records.setdefault(f"{index}|{point}|grad", []).append(grad)
 
     def merge(self, records: Mapping[str, list]) -> None:
@@ -94,7 +204,7 @@ class Collector:
         """The step's extra outputs: `"index|key"` to a tensor or to partials."""
         out = {}
         for name, values in self.records.items():
-            index, point, kind = name.split("|")
+            index, point, kind = split_record(name)
             spec = self.specs[int(index)]
             for i, value in enumerate(values):
                 key = key_name(point, kind, i, len(values))
@@ -104,7 +214,28 @@ class Collector:
                     )
                 else:
                     out[f"{index}|{key}"] = value if len(value.shape) else ops.expand_dims(value, 0)
+        if self.rows is not None:
+            out[ROWS] = self.rows
         return out
+
+
+def split_record(name: str) -> tuple[str, str, str]:
+    """`index|point|kind` (a point may hold any character but `|`)."""
+    index, rest = name.split("|", 1)
+    point, kind = rest.rsplit("|", 1)
+    return index, point, kind
+
+
+def loop_message(point: str, enclosing: str, named=()) -> str:
+    received = f"select={list(named)!r}" if named else f"patches={{{point!r}: ...}}"
+    return (
+        f"`{point}` runs inside a loop body in `{enclosing or 'the model'}` (an RNN's "
+        "cell, or keras.ops.scan/fori_loop/while_loop/vectorized_map): a value made "
+        "inside a loop cannot leave it, so callscope cannot capture or patch it. Capture "
+        f"or patch `{enclosing or 'the layer that runs the loop'}` instead (its output "
+        "holds every step of the loop), or compute the value outside the loop. "
+        f"Received: {received}"
+    )
 
 
 def _differentiable_source():
@@ -166,10 +297,14 @@ def collecting() -> Iterator[Collected]:
         yield result
         return
     with collecting_for(outer.specs) as inner:
-        inner.stack = list(outer.stack)
+        # One naming for the whole step: the same stack, owners and loop points.
+        inner.stack, inner.owners, inner.loops = list(outer.stack), outer.owners, outer.loops
+        inner.tree = outer.tree
         inner.perturbations = outer.perturbations
         yield result
     result.values = inner.records
+    if inner.rows is not None:
+        outer.rows = inner.rows
     for name, sources in inner.grad_sources.items():  # shapes for JAX's eval_shape probe
         outer.grad_sources.setdefault(name, []).extend(sources)
 
@@ -187,12 +322,30 @@ def emit(values: Mapping[str, list]) -> None:
         collector.merge(values)
 
 
-def sow(layer: keras.layers.Layer, name: str, value: Any) -> Any:
-    """Records `value` as the point `layer.path + "/" + name`, and returns it.
+_CHECKED_NAMES: set[str] = set()
 
-    It records only while a `cs.capture` that selects the point is running;
-    otherwise it costs one thread-local lookup and adds nothing to the compiled
-    graph. Call it inside a layer's `call`.
+
+def check_sow_name(name) -> None:
+    """A sown name is one path element: keys reserve `/ : @ | #` and glob characters."""
+    if name in _CHECKED_NAMES:
+        return
+    if not isinstance(name, str) or not name or any(c in name for c in RESERVED):
+        raise ValueError(
+            "`cs.sow` takes a non-empty name without the characters "
+            f"{' '.join(RESERVED)}: keys use them (`point:kind`, `@i`, `/` between "
+            "layers) and `select` globs match them. Use letters, digits, `_`, `-` or "
+            f"`.`, e.g. 'pre_act'. Received: name={name!r}"
+        )
+    _CHECKED_NAMES.add(name)
+
+
+def sow(layer: keras.layers.Layer, name: str, value: Any) -> Any:
+    """Records `value` as the point `<layer's point>/<name>`, and returns it.
+
+    It records only while a `cs.capture` that selects the point is running (a
+    `cs.patch` of the point replaces the value); otherwise it costs one context
+    lookup and adds nothing to the compiled graph. Call it inside a layer's `call`.
+    `name` is one path element: letters, digits, `_`, `-`, `.`.
 
     Example:
 
@@ -207,41 +360,48 @@ def sow(layer: keras.layers.Layer, name: str, value: Any) -> Any:
     >>> cap["mlp/block/pre_act:output"]
     array([[ 2., -2.]], dtype=float32)
     """
+    check_sow_name(name)
     collector = active_collector()
-    patches = active_patches()
-    if (collector is None and patches is None) or isinstance(value, keras.KerasTensor):
+    if collector is None or isinstance(value, keras.KerasTensor):
         return value
-    base = getattr(layer, "path", None) or getattr(layer, "name", str(layer))
-    point = f"{base}/{name}"
+    point = collector.sown_point(layer, name)
+    patches = active_patches()
+    depth = len(collector.stack)
+    if collector.in_loop(_backend.trace_marker()):
+        collector.check_loop_point(point, patches)
+        collector.tree.append((depth, point, layer, LOOP, True))
+        return value
     if patches is not None:
         value = patches.apply(point, value)
-    if collector is not None:
-        value = collector.record(point, layer, "output", value, sown=True)
+    value = collector.record(point, layer, "output", value, sown=True)
+    collector.tree.append((depth, point, layer, value, True))
     return value
 
 
 # --------------------------------------------------------------------------
-# Wrapping the `call` of selected layers for the duration of a run
+# Wrapping the `call` of every layer, once
 # --------------------------------------------------------------------------
-def _is_input_layer(layer) -> bool:
-    return isinstance(layer, keras.layers.InputLayer)
-
-
 def install_wrappers(model) -> None:
-    """Puts a recording wrapper in the instance attribute `call` of every layer, once.
+    """Puts a recording wrapper in the instance attributes `call` and
+    `quantized_call` of every layer, once.
 
-    `Operation.__call__` calls `self.call`, so an instance attribute shadows the
-    method. The wrapper stays: it consults the collector and patches of the run in
-    effect, and costs one context lookup when there are none. Installing again is
-    a no-op for wrapped layers, so a nested call never wraps twice. The wrapper
-    holds the layer's bound `call` (deep copies rebind it) and exposes its
-    signature, so Keras code that inspects `layer.call` sees the real one.
+    `Operation.__call__` calls `self.call`, or `self.quantized_call` for a
+    quantized layer, so an instance attribute shadows the method. The wrapper
+    stays: it consults the collector and patches of the run in effect, and costs
+    one context lookup when there are none. Installing again is a no-op for
+    wrapped layers, so a nested call never wraps twice. The wrapper holds the
+    layer's bound method (deep copies rebind it) and exposes its signature, so
+    Keras code that inspects `layer.call` sees the real one.
     """
+    if _TORCH:
+        _keras_compat.mark_torch_loops()
     for layer in _keras_compat.flatten_layers(model):
-        wrapper = _keras_compat.get_instance_attribute(layer, "call")
-        if _is_input_layer(layer) or isinstance(wrapper, RecordingCall):
+        if isinstance(layer, keras.layers.InputLayer):
             continue
-        _keras_compat.set_instance_call(layer, RecordingCall(layer, layer.call))
+        for name in ("call", "quantized_call"):
+            if not isinstance(_keras_compat.get_instance_attribute(layer, name), RecordingCall):
+                _keras_compat.set_instance_call(layer, RecordingCall(layer, getattr(layer, name)),
+                                                name)
 
 
 class RecordingCall:
@@ -250,6 +410,7 @@ class RecordingCall:
     def __init__(self, layer, original):
         self.layer = layer
         self.__wrapped__ = original
+        self._parameters = None
 
     @property
     def __signature__(self):
@@ -258,58 +419,193 @@ class RecordingCall:
     def __call__(self, *args, **kwargs):
         original = self.__wrapped__
         collector = _COLLECTOR.get()
-        patches = _ACTIVE_PATCHES.get()
-        if (collector is None and patches is None) or _symbolic(args):
+        if collector is None or _symbolic(args, kwargs):
             return original(*args, **kwargs)
         layer = self.layer
-        point = point_of(layer)  # read per call: `path` is set when the layer builds
-        if collector is None:
-            return patches.apply(point, original(*args, **kwargs))
-        if args and collector.wants_inputs:
-            _record_tree(collector, point, layer, "input", args[0])
-        collector.stack.append(point)
+        if collector.stack and collector.stack[-1].layer is layer:  # call <-> quantized_call
+            return original(*args, **kwargs)
+        point = collector.name(layer)
+        patches = _ACTIVE_PATCHES.get()
+        marker = _backend.trace_marker()
+        depth = len(collector.stack)
+        if collector.in_loop(marker):
+            collector.check_loop_point(point, patches)
+            collector.stack.append(_Frame(point, layer, marker, True, False))
+            try:
+                outputs = original(*args, **kwargs)
+            finally:
+                collector.stack.pop()
+            collector.tree.append((depth, point, layer, LOOP, False))
+            return outputs
+        if not collector.stack and patches is not None and patches.takes_batch:
+            collector.rows = _batch_rows(args, kwargs)
+        if collector.wants_inputs:
+            self._record_inputs(collector, point, args, kwargs)
+        runs_loop = isinstance(layer, keras.layers.RNN)
+        collector.stack.append(_Frame(point, layer, marker, False, runs_loop))
         try:
             outputs = original(*args, **kwargs)
         finally:
             collector.stack.pop()
-        if patches is not None:
-            outputs = patches.apply(point, outputs)
-        return _record_tree(collector, point, layer, "output", outputs)
+        return _record_outputs(collector, patches, point, layer, outputs, depth)
+
+    def _record_inputs(self, collector, point, args, kwargs):
+        named = self._arguments(args, kwargs)
+        if len(named) == 1:
+            collector.record(point, self.layer, "input", named[0][1], sown=False)
+            return
+        for label, leaf in named:
+            collector.record(point, self.layer, f"input/{label}", leaf, sown=False)
+
+    def _arguments(self, args, kwargs) -> list[tuple[str, Any]]:
+        """(argument name[/element], tensor) for every tensor the call received."""
+        if self._parameters is None:
+            self._parameters = inspect.signature(self.__wrapped__)
+        try:
+            bound = self._parameters.bind(*args, **kwargs).arguments
+            kinds = {n: p.kind for n, p in self._parameters.parameters.items()}
+        except TypeError:
+            bound, kinds = {**{str(i): a for i, a in enumerate(args)}, **kwargs}, {}
+        named = []
+        for name, value in bound.items():
+            if name == "training":
+                continue
+            if kinds.get(name) is inspect.Parameter.VAR_KEYWORD:
+                items = list(value.items())
+            elif kinds.get(name) is inspect.Parameter.VAR_POSITIONAL:
+                items = [(f"{name}/{i}", v) for i, v in enumerate(value)]
+            else:
+                items = [(name, value)]
+            for label, item in items:
+                for path, leaf in keras.tree.flatten_with_path(item):
+                    if _is_tensor(leaf):
+                        named.append(("/".join([label, *map(str, path)]), leaf))
+        return named
 
 
-def _symbolic(args) -> bool:
-    return any(isinstance(a, keras.KerasTensor) for a in keras.tree.flatten(args))
+def _is_tensor(value) -> bool:
+    return hasattr(value, "shape") and hasattr(value, "dtype") and not isinstance(
+        value, np.generic)
 
 
-def _record_tree(collector, point, layer, kind, value):
-    """Records a layer's input or output; returns the (possibly perturbed) value."""
-    if hasattr(value, "shape"):  # the common case: one tensor
-        return collector.record(point, layer, kind, value, sown=False)
-    leaves = [v for v in keras.tree.flatten(value) if v is not None]
+def _symbolic(args, kwargs) -> bool:
+    return _backend.is_symbolic(keras.tree.flatten((args, kwargs)))
+
+
+def _batch_rows(args, kwargs):
+    leaves = [v for v in keras.tree.flatten((args, kwargs)) if _is_tensor(v) and len(v.shape)]
+    if not leaves:
+        return None
+    rows = leaves[0].shape[0]
+    rows = ops.shape(leaves[0])[0] if rows is None else rows
+    return ops.reshape(ops.cast(rows, "int32"), (1,))
+
+
+def _record_outputs(collector, patches, point, layer, outputs, depth):
+    """Patches and records a layer's output, element by element for a structure;
+    returns the value the model goes on with (patched, or perturbed for JAX grads)."""
+    if patches is not None:
+        outputs = patches.apply(point, outputs, layer, point)
+    if _is_tensor(outputs):
+        outputs = collector.record(point, layer, "output", outputs, sown=False)
+        collector.tree.append((depth, point, layer, outputs, False))
+        return outputs
+    flat = keras.tree.flatten_with_path(outputs)
+    leaves = [i for i, (_, v) in enumerate(flat) if _is_tensor(v)]
+    values = [v for _, v in flat]
     if len(leaves) == 1:
-        collector.record(point, layer, kind, leaves[0], sown=False)
+        values[leaves[0]] = collector.record(point, layer, "output", values[leaves[0]], False)
     else:
-        for j, leaf in enumerate(leaves):
-            collector.record(f"{point}/{j}", layer, kind, leaf, sown=False)
-    return value
+        for i in leaves:
+            child = "/".join([point, *map(str, flat[i][0])])
+            value = values[i]
+            if patches is not None:
+                value = patches.apply(child, value, layer, point)
+            values[i] = collector.record(child, layer, "output", value, False, parent=point)
+            collector.tree.append((depth + 1, child, layer, values[i], False))
+    if not leaves:
+        return outputs
+    outputs = keras.tree.pack_sequence_as(outputs, values)
+    collector.tree.append((depth, point, layer, outputs, False))
+    return outputs
 
 
 # --------------------------------------------------------------------------
 # Patches (interventions): replace a point's output inside every call
 # --------------------------------------------------------------------------
+class Batch(NamedTuple):
+    """Where the batch a patch runs on sits in the call's data.
+
+    Attributes:
+        start: the row offset of this batch: a scalar int32 tensor (batches of a
+            `predict` or `evaluate` come in order, so row `start + i` of the data
+            is row `i` of the batch).
+        rows: the number of rows in this batch (an int, or a scalar tensor where
+            the batch size is unknown while tracing).
+
+    Example:
+
+    >>> import keras, numpy as np, callscope as cs
+    >>> model = cs.Sequential([keras.Input((1,)), keras.layers.Identity(name="x")], name="m")
+    >>> def row_index(value, batch):  # each row becomes its row number in the data
+    ...     rows = keras.ops.arange(batch.rows) + batch.start
+    ...     return keras.ops.cast(keras.ops.reshape(rows, (-1, 1)), value.dtype)
+    >>> with cs.patch(model, {"m/x": row_index}):
+    ...     model.predict(np.zeros((5, 1)), batch_size=2, verbose=0)[:, 0]
+    array([0., 1., 2., 3., 4.], dtype=float32)
+    """
+
+    start: Any
+    rows: Any
+
+
 class Patches:
-    """The active `{point: fn}` of a run; counts which points were hit."""
+    """The active patches of a run, `(owner id, point, fn)`; notes which were hit.
 
-    def __init__(self, functions: tuple):
-        self.functions = dict(functions)
-        self.hits: set[str] = set()
+    A patch opened on a model inside the called one names its points from that
+    model down (`Collector.relative`)."""
 
-    def apply(self, point: str, value: Any) -> Any:
-        fn = self.functions.get(point)
-        if fn is None:
+    def __init__(self, functions: tuple, offset=None):
+        self.owners: dict[int, dict[str, Any]] = {}
+        for owner, point, fn in functions:
+            self.owners.setdefault(owner, {})[point] = fn
+        self.hits: set[tuple[int, str]] = set()
+        self.offset = offset  # a keras.Variable: rows before this batch
+        self.takes_batch = any(getattr(fn, "takes_batch", False)
+                               for _, _, fn in functions)
+
+    def find(self, point: str, collector, layer=None, own=None):
+        """(owner, point as the owner names it, fn) of the patch of `point`, or None."""
+        for owner, functions in self.owners.items():
+            name = collector.relative(point, owner, layer, own)
+            if name is not None and name in functions:
+                return owner, name, functions[name]
+        return None
+
+    def apply(self, point: str, value: Any, layer=None, own=None) -> Any:
+        found = self.find(point, _COLLECTOR.get(), layer, own)
+        if found is None:
             return value
-        self.hits.add(point)
-        return fn(value)
+        owner, name, fn = found
+        self.hits.add((owner, name))
+        if getattr(fn, "takes_batch", False):
+            if self.offset is None:
+                raise ValueError(
+                    f"The patch of `{name}` takes the batch (`fn(value, batch)` or an "
+                    "array), which only `predict`, `evaluate`, `fit` and the *_on_batch "
+                    "methods give. Received: a direct model(x) call"
+                )
+            rows = value.shape[0] if value.shape[0] is not None else ops.shape(value)[0]
+            out = fn(value, Batch(ops.cast(self.offset.value, "int32"), rows))
+        else:
+            out = fn(value)
+        return _backend.check_same_shape(
+            out, value,
+            f"The patch of `{name}` returned a value of shape {{got}}, but the point's "
+            f"value has shape {{want}}: a patch must keep the shape. For a patch that "
+            "depends on the batch, take `fn(value, batch)` and use `batch.start` and "
+            "`batch.rows`, or pass the full-data array itself as the patch."
+        )
 
 
 def active_patches() -> Patches | None:
@@ -317,8 +613,8 @@ def active_patches() -> Patches | None:
 
 
 @contextlib.contextmanager
-def patching(functions: tuple) -> Iterator[Patches | None]:
-    patches = Patches(functions) if functions else None
+def patching(functions: tuple, offset=None) -> Iterator[Patches | None]:
+    patches = Patches(functions, offset) if functions else None
     token = _ACTIVE_PATCHES.set(patches)
     try:
         yield patches

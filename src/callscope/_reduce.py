@@ -2,11 +2,22 @@
 
 A compiled step cannot hand back a running aggregate, so each step returns small
 *partials* per captured tensor: element count, mean, centred sum of squares (M2),
-min, max, absmax, zero count and histogram counts, each with a leading axis of 1
-so that Keras can concatenate them across steps. The host merges partials with
-Chan's parallel formula in float64, which is exact up to rounding (never an
-average of per-batch means). Statistics are computed in float32 whatever the
-compute dtype, so mixed precision does not overflow them.
+min, max, absmax, zero count, NaN and inf counts and histogram counts, each with a
+leading axis of 1 so that Keras can concatenate them across steps. The host merges
+partials with Chan's parallel formula in float64, which is exact up to rounding
+(never an average of per-batch means). Statistics are computed in float32 whatever
+the compute dtype, so mixed precision does not overflow them.
+
+Statistics (`reduce=`): `mean`, `std`, `min`, `max`, `absmax`, `rms`, `frac_zero`,
+`hist`, `nan_count` and `inf_count`.
+
+Non-finite values: `nan_count` counts NaN elements and `inf_count` counts +inf and
+-inf elements. Every other statistic leaves non-finite values out: it is over the
+finite elements only (`frac_zero` is zeros / finite elements, and `hist` counts sum
+to the number of finite elements; finite values outside `hist_range` still count in
+the edge bins). A tensor, step or call with no finite elements (all NaN or inf, or
+empty) gives NaN for `mean`, `std`, `rms`, `min`, `max`, `absmax` and `frac_zero`,
+and all-zero `hist` counts; partials of such a step merge as "no data".
 """
 
 from __future__ import annotations
@@ -18,17 +29,23 @@ import numpy as np
 from keras import ops
 
 _TORCH = keras.backend.backend() == "torch"
-STATS = ("mean", "std", "min", "max", "absmax", "rms", "frac_zero", "hist")
+STATS = ("mean", "std", "min", "max", "absmax", "rms", "frac_zero", "hist",
+         "nan_count", "inf_count")
+# Partials: n (finite elements), mean and m2 (over finite elements), min, max and
+# absmax (identities +inf, -inf, -inf when n == 0), nzero, nnan, ninf, hist.
 _NEEDS = {
     "mean": ("n", "mean"),
     "std": ("n", "mean", "m2"),
     "rms": ("n", "mean", "m2"),
-    "min": ("min",),
-    "max": ("max",),
-    "absmax": ("absmax",),
+    "min": ("n", "min"),
+    "max": ("n", "max"),
+    "absmax": ("n", "absmax"),
     "frac_zero": ("n", "nzero"),
     "hist": ("hist",),
+    "nan_count": ("nnan",),
+    "inf_count": ("ninf",),
 }
+_FINITE_ONLY = ("n", "mean", "m2", "min", "max", "absmax", "nzero", "hist")
 
 
 def check_stats(reduce) -> tuple[str, ...] | None:
@@ -45,54 +62,84 @@ def check_stats(reduce) -> tuple[str, ...] | None:
     return stats
 
 
+def _count(mask):
+    # Counted in int32 (exact), then float32 like every other partial.
+    return ops.cast(ops.sum(ops.cast(mask, "int32")), "float32")
+
+
 def partials(value, stats, bins=32, hist_range=None):
-    """Device-side partial statistics of `value` (a tensor), each of shape [1, ...]."""
+    """Device-side partial statistics of `value` (a tensor), each of shape [1, ...].
+
+    Non-finite elements are masked out (`ops.where`, static shapes) of every
+    partial but `nnan` and `ninf`; see the module docstring.
+    """
     if _TORCH:
         return _torch_partials(value, stats, bins, hist_range)
     # Statistics never need gradients: on torch this also keeps them off the tape.
     x = ops.reshape(ops.cast(ops.stop_gradient(value), "float32"), (-1,))
     needed = {p for s in stats for p in _NEEDS[s]}
-    n = ops.cast(ops.size(x), "float32")
     out = {}
-    if "n" in needed:
+    if needed.intersection(_FINITE_ONLY):
+        finite = ops.isfinite(x)
+        xf = ops.where(finite, x, 0.0)  # finite values, 0 elsewhere
+    if "n" in needed:  # _NEEDS lists n with every mean
+        n = _count(finite)
         out["n"] = n
     if "mean" in needed or "m2" in needed:
-        mean = ops.mean(x)
+        # 0 when n == 0, so that an empty partial never carries a NaN mean.
+        mean = ops.sum(xf) / ops.maximum(n, 1.0)
         out["mean"] = mean
         if "m2" in needed:
-            out["m2"] = ops.sum(ops.square(x - mean))
+            out["m2"] = ops.sum(ops.square(ops.where(finite, xf - mean, 0.0)))
+    inf = float("inf")
     if "min" in needed:
-        out["min"] = ops.min(x)
+        out["min"] = ops.min(ops.where(finite, x, inf), initial=inf)
     if "max" in needed:
-        out["max"] = ops.max(x)
+        out["max"] = ops.max(ops.where(finite, x, -inf), initial=-inf)
     if "absmax" in needed:
-        out["absmax"] = ops.max(ops.abs(x))
+        out["absmax"] = ops.max(ops.where(finite, ops.abs(x), -inf), initial=-inf)
     if "nzero" in needed:
-        out["nzero"] = ops.sum(ops.cast(ops.equal(x, 0.0), "float32"))
+        out["nzero"] = _count(ops.equal(x, 0.0))  # NaN and inf are never 0
+    if "nnan" in needed:
+        out["nnan"] = _count(ops.isnan(x))
+    if "ninf" in needed:
+        out["ninf"] = _count(ops.isinf(x))
     if "hist" in needed:
         lo, hi = hist_range
         width = (hi - lo) / bins
-        # Values outside the range count in the edge bins, so counts sum to n.
-        index = ops.clip(ops.floor((x - lo) / width), 0, bins - 1)
-        out["hist"] = ops.sum(ops.one_hot(ops.cast(index, "int32"), bins), axis=0)
+        # Finite values outside the range count in the edge bins, so counts sum to n.
+        index = ops.clip(ops.floor((xf - lo) / width), 0, bins - 1)
+        one_hot = ops.one_hot(ops.cast(index, "int32"), bins, dtype="float32")
+        weight = ops.expand_dims(ops.cast(finite, "float32"), 1)
+        out["hist"] = ops.sum(one_hot * weight, axis=0)
     return {k: ops.expand_dims(v, 0) for k, v in out.items()}
 
 
 def merge(rows: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Merges partials with a leading step axis into one set (float64)."""
+    """Merges partials with a leading step axis into one set (float64).
+
+    Rows with n == 0 hold no data: their mean and m2 are left out, whatever they
+    are. If no row has data, the merged mean is NaN.
+    """
     merged = {}
     if "n" in rows:
         n = rows["n"].astype(np.float64)
+        has = n > 0
         total = n.sum()
         merged["n"] = total
         if "mean" in rows:
-            means = rows["mean"].astype(np.float64)
-            mean = (n * means).sum() / total
+            means = np.where(has, rows["mean"].astype(np.float64), 0.0)
+            mean = (n * means).sum() / total if total > 0 else np.float64(np.nan)
             merged["mean"] = mean
             if "m2" in rows:
-                merged["m2"] = rows["m2"].astype(np.float64).sum() + (n * (means - mean) ** 2).sum()
-        if "nzero" in rows:
-            merged["nzero"] = rows["nzero"].astype(np.float64).sum()
+                m2 = np.where(has, rows["m2"].astype(np.float64), 0.0).sum()
+                if total > 0:
+                    m2 += np.where(has, n * (means - mean) ** 2, 0.0).sum()
+                merged["m2"] = m2
+    for name in ("nzero", "nnan", "ninf"):
+        if name in rows:
+            merged[name] = rows[name].astype(np.float64).sum()
+    # Empty partials hold the identities (+inf for min, -inf for max and absmax).
     for name, fn in (("min", np.min), ("max", np.max), ("absmax", np.max)):
         if name in rows:
             merged[name] = fn(rows[name].astype(np.float64))
@@ -102,18 +149,31 @@ def merge(rows: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 def finalize(part: Mapping[str, np.ndarray], stat: str) -> np.ndarray:
-    """The statistic `stat` from (merged or per-step) partials."""
-    if stat == "mean":
-        return np.asarray(part["mean"])
-    if stat == "std":
-        return np.sqrt(np.asarray(part["m2"]) / part["n"])
-    if stat == "rms":
-        return np.sqrt(np.asarray(part["m2"]) / part["n"] + np.asarray(part["mean"]) ** 2)
-    if stat == "frac_zero":
-        return np.asarray(part["nzero"]) / part["n"]
+    """The statistic `stat` from (merged or per-step) partials.
+
+    NaN where n == 0 (no finite elements), for every statistic but the counts
+    (`hist`, `nan_count`, `inf_count`).
+    """
     if stat == "hist":
         return np.asarray(part["hist"])
-    return np.asarray(part[stat])
+    if stat == "nan_count":
+        return np.asarray(part["nnan"])
+    if stat == "inf_count":
+        return np.asarray(part["ninf"])
+    n = np.asarray(part["n"], np.float64)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        if stat == "mean":
+            value = np.asarray(part["mean"], np.float64)
+        elif stat == "std":
+            value = np.sqrt(np.asarray(part["m2"], np.float64) / n)
+        elif stat == "rms":
+            value = np.sqrt(np.asarray(part["m2"], np.float64) / n
+                            + np.asarray(part["mean"], np.float64) ** 2)
+        elif stat == "frac_zero":
+            value = np.asarray(part["nzero"], np.float64) / n
+        else:
+            value = np.asarray(part[stat], np.float64)
+    return np.where(n > 0, value, np.nan)
 
 
 def per_step(rows: Mapping[str, np.ndarray], stat: str) -> np.ndarray:
@@ -139,31 +199,47 @@ def to_numpy(x):
 def _torch_partials(value, stats, bins, hist_range):
     """The same partials in plain torch: torch runs eagerly, where each `keras.ops`
     call costs tens of microseconds of dispatch; this is the one hot path where that
-    shows (statistics of every selected layer, every step)."""
+    shows (statistics of every selected layer, every step). Keep in step with
+    `partials`."""
     import torch
 
     needed = {p for s in stats for p in _NEEDS[s]}
+    inf = float("inf")
     with torch.no_grad():
         x = value.detach().reshape(-1).float()
-        n = torch.tensor(float(x.numel()), device=x.device)
+        empty = x.numel() == 0  # torch's min and max reject empty tensors
         out = {}
-        if "n" in needed:
+        if needed.intersection(_FINITE_ONLY):
+            finite = torch.isfinite(x)
+            xf = torch.where(finite, x, 0.0)
+        if "n" in needed:  # _NEEDS lists n with every mean
+            n = finite.sum().float()
             out["n"] = n
         if "mean" in needed or "m2" in needed:
-            mean = x.mean()
+            mean = xf.sum() / n.clamp(min=1.0)
             out["mean"] = mean
             if "m2" in needed:
-                out["m2"] = ((x - mean) ** 2).sum()
+                out["m2"] = torch.where(finite, xf - mean, 0.0).square().sum()
         if "min" in needed:
-            out["min"] = x.min()
+            out["min"] = (x.new_tensor(inf) if empty
+                          else torch.where(finite, x, inf).min())
         if "max" in needed:
-            out["max"] = x.max()
+            out["max"] = (x.new_tensor(-inf) if empty
+                          else torch.where(finite, x, -inf).max())
         if "absmax" in needed:
-            out["absmax"] = x.abs().max()
+            out["absmax"] = (x.new_tensor(-inf) if empty
+                             else torch.where(finite, x.abs(), -inf).max())
         if "nzero" in needed:
             out["nzero"] = (x == 0).sum().float()
+        if "nnan" in needed:
+            out["nnan"] = torch.isnan(x).sum().float()
+        if "ninf" in needed:
+            out["ninf"] = torch.isinf(x).sum().float()
         if "hist" in needed:
             lo, hi = hist_range
-            index = ((x - lo) / ((hi - lo) / bins)).floor().clamp(0, bins - 1).long()
-            out["hist"] = torch.bincount(index, minlength=bins).float()
+            index = ((xf - lo) / ((hi - lo) / bins)).floor().clamp(0, bins - 1).long()
+            # Non-finite values go to an extra bin, dropped (no bincount weights:
+            # those are nondeterministic on CUDA).
+            index = torch.where(finite, index, bins)
+            out["hist"] = torch.bincount(index, minlength=bins + 1)[:bins].float()
         return {k: v.unsqueeze(0) for k, v in out.items()}

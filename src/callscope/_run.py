@@ -43,11 +43,33 @@ class Run:
     patches: tuple = ()
     nested: bool = False  # another run of the same model is in progress below it
     replicated: bool = False  # under a tf.distribute strategy with several replicas
+    offset: Any = None  # RowOffset, for patches that take the batch
 
     def sink(self, kind: str, sown) -> None:
         for name, value in sown.items():
-            index, key = name.split("|", 1)
-            self.calls[int(index)].add(kind, key, value)
+            if "|" in name:
+                index, key = name.split("|", 1)
+                self.calls[int(index)].add(kind, key, value)
+
+
+class RowOffset:
+    """The rows a run's steps have seen so far: each step's `batch.start`.
+
+    `target` is where the value goes: the hidden variable (TF, torch) or its
+    position in the JAX state. `limit` is the rows of the shortest array patch."""
+
+    def __init__(self, target, limit: int | None):
+        self.target, self.limit, self.rows = target, limit, 0
+
+    def advance(self, rows: int) -> None:
+        self.rows += rows
+        if self.limit is not None and self.rows > self.limit:
+            raise ValueError(
+                f"An array patch has {self.limit} rows, but this call's data runs to "
+                f"row {self.rows}: a patch array gives one row per row of the data, "
+                "in order. Pass an array with a row for every row of the data. "
+                f"Received: {self.limit} rows"
+            )
 
 
 class Gate:

@@ -228,12 +228,13 @@ def captures_where(owned) -> tuple:
 
 
 def patches_where(owned) -> tuple:
-    """The open patches of models that satisfy `owned`, merged (inner scope wins)."""
+    """The open patches of models that satisfy `owned`, merged (inner scope wins),
+    as `(id(owner), point, fn)`."""
     merged = {}
     for owner, patches in _PATCHES.get():
         if owned(owner):
-            merged.update(patches)
-    return tuple(merged.items())
+            merged.update({(id(owner), point): fn for point, fn in patches.items()})
+    return tuple((owner, point, fn) for (owner, point), fn in merged.items())
 
 
 def captures_for(model) -> tuple:

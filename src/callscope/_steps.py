@@ -22,8 +22,9 @@ state reaches Keras.
 from __future__ import annotations
 
 import keras
+import numpy as np
 
-from callscope import _grads, _keras_compat, _record
+from callscope import _grads, _keras_compat, _record, _reduce
 from callscope._record import OUTPUTS, SOWN
 
 BACKEND = keras.backend.backend()
@@ -60,6 +61,9 @@ def pop_sown(kind, result, run):
     if not isinstance(main, dict) or SOWN not in main:
         return result
     sown = main[SOWN]
+    rows = sown.pop(_record.ROWS, None) if isinstance(sown, dict) else None
+    if rows is not None and run is not None and run.offset is not None:
+        run.offset.advance(int(np.sum(_reduce.to_numpy(rows))))
     if kind == "predict":
         main = main[OUTPUTS]
     else:

@@ -9,6 +9,8 @@ the context arguments each layer receives, and the values it sows.
 
 from __future__ import annotations
 
+import keras
+
 from callscope import _keras_compat, _record
 from callscope._points import Spec
 
@@ -19,7 +21,7 @@ _EVERYTHING = Spec(select=lambda point, layer: True, kinds=("output",), stats=No
 def _run(model, x):
     if not model.built:
         with _record.collecting_for(()):  # a plain call: builds, records nothing
-            model(x, training=False)  # layer paths are set on build
+            model(x, training=False)
     _record.install_wrappers(model)
     with _record.collecting_for((_EVERYTHING,)) as collector:
         model(x, training=False)
@@ -27,14 +29,21 @@ def _run(model, x):
 
 
 def _shape(value):
-    return tuple(value.shape) if hasattr(value, "shape") else None
+    if hasattr(value, "shape"):
+        return tuple(value.shape)
+    if value is None or value is _record.LOOP:
+        return None
+    return keras.tree.map_structure(lambda v: tuple(v.shape) if hasattr(v, "shape") else None,
+                                    value)
 
 
 def points(model, x) -> dict[str, tuple]:
     """Every point of `model` (layers and sown values) and its output shape.
 
     Runs `model(x)` once, eagerly. A layer called several times is listed once per
-    call, as `point@i`, the way `cs.capture` keys it.
+    call, as `point@i`, the way `cs.capture` keys it. A layer with a tuple, list or
+    dict output is listed with the structure of shapes, and each element as its
+    own point. Layers inside a loop body (an RNN's cell) are not points.
 
     Example:
 
@@ -46,7 +55,8 @@ def points(model, x) -> dict[str, tuple]:
     """
     calls: dict[str, list] = {}
     for _, point, _, value, _ in _preorder(_run(model, x)):
-        calls.setdefault(point, []).append(_shape(value))
+        if value is not _record.LOOP:  # inside a loop body: not a point
+            calls.setdefault(point, []).append(_shape(value))
     out = {}
     for point, shapes in calls.items():
         if len(shapes) == 1:
@@ -85,7 +95,8 @@ def summary(model, x, print_fn=print) -> str:
                                 f"{point} ({type(layer).__name__})")
         params = "" if sown else f"{_count_params(layer):,}"
         context = "" if sown else _context_args(layer)
-        rows.append((label, str(_shape(value)), params, context))
+        shape = "inside a loop: not a point" if value is _record.LOOP else str(_shape(value))
+        rows.append((label, shape, params, context))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     lines.insert(1, "-" * len(lines[0]))

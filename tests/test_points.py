@@ -1,0 +1,347 @@
+"""Points users can name: stable names from the call tree, every output and input,
+layers in loops, quantized layers, patches across batches, sown names."""
+
+import warnings
+
+import numpy as np
+import pytest
+import keras
+from keras import layers, ops
+
+import callscope as cs
+from conftest import BACKEND, numpy
+
+X = np.random.default_rng(0).normal(size=(8, 4)).astype("float32")
+
+
+# --------------------------------------------------------------------------
+# Names come from the call tree, whatever the build history
+# --------------------------------------------------------------------------
+def _seq():
+    return cs.Sequential([keras.Input((4,)), layers.Dense(5, name="hidden"),
+                          layers.ReLU(name="act"), layers.Dense(2, name="out")], name="seq")
+
+
+def test_names_do_not_depend_on_build_history_or_loading(tmp_path):
+    fresh = _seq()
+    hidden = layers.Dense(5, name="hidden")
+    hidden(X)  # called once before it joins a model: Keras gives it the path "hidden"
+    early = cs.Sequential([keras.Input((4,)), hidden, layers.ReLU(name="act"),
+                           layers.Dense(2, name="out")], name="seq")
+    fresh.save(tmp_path / "m.keras")
+    loaded = cs.enable(keras.saving.load_model(tmp_path / "m.keras"))
+    expected = {"seq": (8, 2), "seq/hidden": (8, 5), "seq/act": (8, 5), "seq/out": (8, 2)}
+    for model in (fresh, early, loaded):
+        assert cs.points(model, X) == expected
+    with cs.capture(loaded, "*") as cap:
+        out = loaded.predict(X, verbose=0)
+    assert sorted(cap) == sorted(f"{p}:output" for p in expected)
+    np.testing.assert_allclose(cap["seq:output"], out)
+
+
+def test_functional_points_are_prefixed_by_the_model():
+    inputs = keras.Input((4,))
+    h = layers.Dense(3, name="d")(inputs)
+    model = cs.Model(inputs, layers.Dropout(0.5, name="drop")(h), name="func")
+    assert cs.points(model, X) == {"func": (8, 3), "func/d": (8, 3), "func/drop": (8, 3)}
+
+
+class Block(layers.Layer):
+    """A block with weightless layers (Keras gives them no path of their own)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = layers.Dense(4, name="dense")
+        self.act = layers.ReLU(name="act")
+        self.drop = layers.Dropout(0.5, name="drop")
+
+    def call(self, x, training=None):
+        return self.drop(self.act(self.dense(x)), training=training)
+
+
+class TwoBlocks(cs.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.first = Block(name="block_a")
+        self.second = Block(name="block_b")
+
+    def call(self, x, training=None):
+        return self.second(self.first(x, training=training), training=training)
+
+
+def test_weightless_layers_of_two_blocks_are_two_points_and_patch_one():
+    model = TwoBlocks(name="net")
+    points = cs.points(model, X)
+    assert {"net/block_a/act", "net/block_b/act", "net/block_a/drop",
+            "net/block_b/drop"} <= set(points)
+    assert not any("@" in p for p in points)
+    with cs.capture(model, "net/block_*") as before:
+        model.predict(X, verbose=0)
+    with cs.capture(model, "net/block_*") as after, \
+            cs.patch(model, {"net/block_b/act": keras.ops.zeros_like}):
+        out = model.predict(X, verbose=0)
+    for key in ("net/block_a:output", "net/block_a/act:output", "net/block_b/dense:output"):
+        np.testing.assert_array_equal(after[key], before[key])
+    np.testing.assert_array_equal(after["net/block_b/act:output"], 0.0)
+    np.testing.assert_array_equal(out, 0.0)
+    assert np.abs(before["net/block_b/act:output"]).sum() > 0
+    # The glob of one block reaches its weightless layers too.
+    with cs.capture(model, "net/block_a/*") as cap:
+        model.predict(X, verbose=0)
+    assert sorted(cap) == ["net/block_a/act:output", "net/block_a/dense:output",
+                           "net/block_a/drop:output"]
+
+
+def test_two_instances_with_one_name_are_two_points():
+    class Twins(cs.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.a = layers.Dense(3, name="twin")
+            self.b = layers.Dense(3, name="twin")
+
+        def call(self, x):
+            return self.b(self.a(x))
+
+    model = Twins(name="twins")
+    assert set(cs.points(model, X)) == {"twins", "twins/twin", "twins/twin#1"}
+    with cs.capture(model, "twins/twin*") as cap:
+        model.predict(X, verbose=0)
+    w = [numpy(v) for v in model.a.weights]
+    np.testing.assert_allclose(cap["twins/twin:output"], X @ w[0] + w[1], rtol=1e-5, atol=1e-6)
+
+
+def test_inner_model_scopes_name_points_from_the_inner_model():
+    inner = cs.Sequential([keras.Input((4,)), layers.Dense(3, name="d")], name="enc")
+    outer = cs.Sequential([keras.Input((4,)), inner, layers.Dense(2, name="head")],
+                          name="ae")
+    assert "ae/enc/d" in cs.points(outer, X)
+    with cs.capture(inner, "enc/d") as cap, cs.capture(outer, "ae/enc/d") as whole:
+        outer.predict(X, verbose=0)
+    np.testing.assert_array_equal(cap["enc/d:output"], whole["ae/enc/d:output"])
+    with cs.patch(inner, {"enc/d": keras.ops.zeros_like}):
+        out = outer.predict(X, verbose=0)
+    np.testing.assert_allclose(out, np.broadcast_to(numpy(outer.layers[-1].bias), out.shape))
+
+
+# --------------------------------------------------------------------------
+# Every output and input
+# --------------------------------------------------------------------------
+class Pair(layers.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.d1 = layers.Dense(3, name="d1")
+        self.d2 = layers.Dense(3, name="d2")
+
+    def call(self, x):
+        return self.d1(x), self.d2(x)
+
+
+class PairNet(cs.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.pair = Pair(name="pair")
+
+    def call(self, x):
+        a, b = self.pair(x)
+        return 2.0 * a + 3.0 * b
+
+
+def test_tuple_output_selected_by_its_layer_and_each_element_has_its_gradient():
+    model = PairNet(name="net")
+    model.compile(optimizer="sgd", loss="mse")
+    y = np.zeros((8, 3), "float32")
+    with cs.capture(model, "net/pair", kinds=("output", "grad")) as cap:
+        model.evaluate(X, y, batch_size=8, verbose=0)
+    assert sorted(cap) == ["net/pair/0:grad", "net/pair/0:output", "net/pair/1:grad",
+                           "net/pair/1:output"]
+    out = 2.0 * cap["net/pair/0:output"] + 3.0 * cap["net/pair/1:output"]
+    d_out = 2.0 * (out - y) / out.size  # d mse / d y_pred
+    np.testing.assert_allclose(cap["net/pair/0:grad"], 2.0 * d_out, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(cap["net/pair/1:grad"], 3.0 * d_out, rtol=1e-5, atol=1e-7)
+    assert np.abs(cap["net/pair/0:grad"]).sum() > 0
+
+
+def test_patch_one_element_of_a_tuple_output():
+    model = PairNet(name="net")
+    with cs.capture(model, "net/pair") as cap:
+        plain = model.predict(X, verbose=0)
+    with cs.patch(model, {"net/pair/1": keras.ops.zeros_like}):
+        patched = model.predict(X, verbose=0)
+    np.testing.assert_allclose(patched, 2.0 * cap["net/pair/0:output"], rtol=1e-6)
+    assert not np.allclose(plain, patched)
+
+
+def test_keyword_inputs_are_recorded_by_argument_name():
+    class Attend(cs.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.mha = layers.MultiHeadAttention(num_heads=2, key_dim=2, name="mha")
+
+        def call(self, x):
+            return self.mha(query=x, value=2.0 * x)
+
+    model = Attend(name="att")
+    x = X.reshape(2, 4, 4)
+    with cs.capture(model, "att/mha", kinds=("input",)) as cap:
+        model.predict(x, verbose=0)
+    assert sorted(cap) == ["att/mha:input/query", "att/mha:input/value"]
+    np.testing.assert_allclose(cap["att/mha:input/query"], x)
+    np.testing.assert_allclose(cap["att/mha:input/value"], 2.0 * x)
+    with cs.capture(model, "att/mha/query", kinds=("input",)) as cap:  # the sublayer
+        model.predict(x, verbose=0)
+    np.testing.assert_allclose(cap["att/mha/query:input"], x)
+
+
+# --------------------------------------------------------------------------
+# Layers in loops
+# --------------------------------------------------------------------------
+def _text_model():
+    return cs.Sequential([keras.Input((6,), dtype="int32"), layers.Embedding(20, 4, name="emb"),
+                          layers.LSTM(5, return_sequences=True, name="lstm"),
+                          layers.SimpleRNN(3, name="rnn"), layers.Dense(2, name="head")],
+                         name="text")
+
+
+def test_rnn_model_captures_every_point_and_refuses_the_cell():
+    model = _text_model()
+    tokens = np.random.default_rng(1).integers(0, 20, size=(5, 6)).astype("int32")
+    assert set(cs.points(model, tokens)) == {"text", "text/emb", "text/lstm", "text/rnn",
+                                             "text/head"}
+    with cs.capture(model, "*") as cap:
+        out = model.predict(tokens, batch_size=2, verbose=0)
+    assert sorted(cap) == ["text/emb:output", "text/head:output", "text/lstm:output",
+                           "text/rnn:output", "text:output"]
+    stock = keras.Model(model.inputs, [model.get_layer("lstm").output,
+                                       model.get_layer("rnn").output])
+    lstm, rnn = stock.predict(tokens, verbose=0)
+    np.testing.assert_allclose(cap["text/lstm:output"], lstm, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(cap["text/rnn:output"], rnn, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(cap["text:output"], out)
+    with pytest.raises(cs.LoopPointError, match="text/lstm/lstm_cell.*inside a loop body.*"
+                                                "Capture or patch `text/lstm`"):
+        with cs.capture(model, "text/lstm/lstm_cell"):
+            model.predict(tokens, verbose=0)
+    with pytest.raises(cs.LoopPointError, match="text/rnn/simple_rnn_cell"):
+        with cs.patch(model, {"text/rnn/simple_rnn_cell": keras.ops.zeros_like}):
+            model.predict(tokens, verbose=0)
+    with cs.patch(model, {"text/lstm": keras.ops.zeros_like}):  # the RNN itself patches
+        patched = model.predict(tokens, verbose=0)
+    assert not np.allclose(patched, out)
+
+
+class ScanSow(layers.Layer):
+    def call(self, x):
+        def step(carry, row):
+            carry = carry + cs.sow(self, "carry", row)
+            return carry, carry
+
+        total, _ = keras.ops.scan(step, ops.zeros_like(x[0]), x)
+        return cs.sow(self, "total", total)
+
+
+def test_sow_inside_a_users_scan_is_refused_alike_on_every_backend():
+    model = cs.Sequential([keras.Input((4,)), ScanSow(name="scan")], name="m")
+    with cs.capture(model, "*") as cap:
+        model.predict(X, batch_size=8, verbose=0)
+    assert sorted(cap) == ["m/scan/total:output", "m/scan:output", "m:output"]
+    np.testing.assert_allclose(cap["m/scan/total:output"], X.sum(0), rtol=1e-5)
+    with pytest.raises(cs.LoopPointError, match="m/scan/carry"):
+        with cs.capture(model, "m/scan/carry"):
+            model.predict(X, batch_size=8, verbose=0)
+
+
+# --------------------------------------------------------------------------
+# Quantized layers
+# --------------------------------------------------------------------------
+def test_quantized_layers_capture_and_patch():
+    model = _seq()
+    model.build((None, 4))
+    with warnings.catch_warnings():  # Keras warns that the InputLayer cannot quantize
+        warnings.simplefilter("ignore")
+        model.quantize("int8")
+    stock = keras.Model(model.inputs, model.get_layer("hidden").output)
+    with cs.capture(model, "seq/hidden") as cap:
+        model.predict(X, verbose=0)
+    np.testing.assert_allclose(cap["seq/hidden:output"], stock.predict(X, verbose=0),
+                               rtol=1e-5, atol=1e-6)
+    with cs.patch(model, {"seq/hidden": keras.ops.zeros_like}):
+        out = model.predict(X, verbose=0)
+    stock_out = keras.Model(model.get_layer("out").input, model.get_layer("out").output)
+    np.testing.assert_allclose(out, stock_out.predict(np.zeros((8, 5), "float32"), verbose=0),
+                               rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------------------
+# Patches across batches
+# --------------------------------------------------------------------------
+def test_array_patch_takes_each_batchs_rows():
+    model = _seq()
+    clean = np.random.default_rng(2).normal(size=(8, 5)).astype("float32")
+    with cs.capture(model, "seq/act") as cap, cs.patch(model, {"seq/hidden": clean}):
+        model.predict(X, batch_size=3, verbose=0)  # batches of 3, 3, 2
+    np.testing.assert_allclose(cap["seq/act:output"], np.maximum(clean, 0))
+    with pytest.raises(ValueError, match="has 8 rows, but this call's data runs to row 9"):
+        with cs.patch(model, {"seq/hidden": clean}):
+            model.predict(np.concatenate([X, X[:1]]), batch_size=3, verbose=0)
+
+
+def test_patch_function_of_the_batch_gets_row_offsets():
+    model = _seq()
+    offsets = np.arange(8, dtype="float32")[:, None]
+
+    def add_row_index(value, batch):
+        rows = ops.cast(ops.arange(batch.rows) + batch.start, value.dtype)
+        return value * 0.0 + rows[:, None]
+
+    with cs.capture(model, "seq/hidden") as cap, cs.patch(model, {"seq/hidden": add_row_index}):
+        model.predict(X, batch_size=3, verbose=0)
+    np.testing.assert_allclose(cap["seq/hidden:output"], np.broadcast_to(offsets, (8, 5)))
+    model.compile(optimizer="sgd", loss="mse")
+    with cs.capture(model, "seq/hidden") as cap, cs.patch(model, {"seq/hidden": add_row_index}):
+        model.evaluate(X, np.zeros((8, 2)), batch_size=4, verbose=0)
+    np.testing.assert_allclose(cap["seq/hidden:output"], np.broadcast_to(offsets, (8, 5)))
+
+
+def test_patch_of_the_wrong_shape_names_the_point_and_both_shapes():
+    model = _seq()
+    other_run = np.ones((8, 5), "float32")
+    with pytest.raises(ValueError, match=r"patch of `seq/hidden` returned a value of shape "
+                                         r"\(8, 5\).*has shape \((4|None), 5\)"):
+        with cs.patch(model, {"seq/hidden": lambda v: ops.convert_to_tensor(other_run)}):
+            model.predict(X, batch_size=4, verbose=0)
+
+
+def test_patch_never_reached_raises_at_the_end_of_each_run():
+    model = _seq()
+    with pytest.raises(ValueError, match=r"never reached \['seq/hiden'\] in this `predict`"):
+        with cs.patch(model, {"seq/hiden": keras.ops.zeros_like}):
+            model.predict(X, verbose=0)
+
+
+# --------------------------------------------------------------------------
+# Sown names, disk
+# --------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["a|b", "a/b", "x:y", "", "h@0", "w*"])
+def test_sow_names_are_validated(name):
+    class Sower(layers.Layer):
+        def call(self, x):
+            return cs.sow(self, name, x)
+
+    with pytest.raises(ValueError, match=r"`cs.sow` takes a non-empty name.*Received: name="):
+        model = cs.Sequential([keras.Input((4,)), Sower(name="s")], name="m")
+        model.predict(X, verbose=0)
+
+
+def test_to_refuses_a_directory_with_files_unless_overwrite(tmp_path):
+    model = _seq()
+    (tmp_path / "0000.bin").write_bytes(b"mine")
+    with pytest.raises(FileExistsError, match="overwrite=True"):
+        with cs.capture(model, "seq/hidden", to=tmp_path):
+            model.predict(X, verbose=0)
+    assert (tmp_path / "0000.bin").read_bytes() == b"mine"
+    with cs.capture(model, "seq/hidden", to=tmp_path, overwrite=True) as cap:
+        model.predict(X, verbose=0)
+    assert not (tmp_path / "0000.bin").exists()
+    np.testing.assert_allclose(cap["seq/hidden:output"],
+                               keras.Model(model.inputs, model.get_layer("hidden").output)
+                               .predict(X, verbose=0), rtol=1e-6)

@@ -1,0 +1,324 @@
+"""Statistics at the edges: NaN and inf elements, and partials with no data (n == 0).
+
+Every statistic but `nan_count` and `inf_count` is over the finite elements only;
+partials with n == 0 merge as "no data"; a result with no data is NaN, never a
+warning. Values are checked against numpy references on each backend.
+"""
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+from conftest import BACKEND, numpy
+
+import callscope as cs
+from callscope import _reduce
+
+JIT = [False, "auto"]
+BINS, RANGE = 4, (-1.0, 1.0)
+ALL = _reduce.STATS
+FINITE_STATS = ("mean", "std", "rms", "min", "max", "absmax", "frac_zero")
+
+
+def _data():
+    """10 rows of 4: a first batch (of 3) with no finite value, then NaN, +inf and
+    -inf scattered among finite values, zeros and values outside RANGE."""
+    x = np.random.default_rng(1).normal(scale=1.5, size=(10, 4)).astype("float32")
+    x[0] = np.nan
+    x[1] = [np.inf, -np.inf, np.nan, np.inf]
+    x[2] = np.nan
+    x[4, 1] = np.nan
+    x[5, 0], x[5, 3] = np.inf, -np.inf
+    x[6, 2] = 0.0
+    x[7] = [0.0, 5.0, -7.0, np.nan]
+    return x
+
+
+def _reference(x):
+    """numpy statistics of `x` (float64): non-finite values left out of all but
+    the counts; NaN where nothing is finite."""
+    x = np.asarray(x, np.float64).ravel()
+    f = x[np.isfinite(x)]
+    counts, _ = np.histogram(np.clip(f, *RANGE), bins=BINS, range=RANGE)
+    ref = {"nan_count": np.isnan(x).sum(), "inf_count": np.isinf(x).sum(), "hist": counts}
+    if f.size:
+        ref.update(mean=f.mean(), std=f.std(), rms=np.sqrt((f ** 2).mean()), min=f.min(),
+                   max=f.max(), absmax=np.abs(f).max(), frac_zero=(f == 0).mean())
+    else:
+        ref.update(dict.fromkeys(FINITE_STATS, np.nan))
+    return ref
+
+
+def _ident():
+    return cs.Sequential([keras.Input((4,)),
+                          keras.layers.Lambda(lambda x: x * 1.0, name="ident")], name="m")
+
+
+def _keys(cap, stat):
+    """Keys of `stat` for every captured output, read by suffix: the point names
+    are not what is tested here. (With select "*", the model's output and ident's
+    output are the same tensor, so every key must match the reference.)"""
+    keys = [k for k in cap if k.endswith(f":output/{stat}")]
+    assert keys, sorted(cap)
+    return keys
+
+
+def _check(cap, ref, stats=ALL):
+    for stat in stats:
+        for key in _keys(cap, stat):
+            value = cap[key]
+            if stat == "hist":
+                np.testing.assert_array_equal(value, ref["hist"], err_msg=key)
+            elif np.isnan(ref[stat]):
+                assert np.isnan(value), (key, value)
+            else:
+                assert value == pytest.approx(ref[stat], rel=1e-5, abs=1e-6), key
+
+
+@pytest.mark.parametrize("jit_compile", JIT)
+def test_non_finite_values_are_counted_and_left_out_of_every_other_statistic(jit_compile):
+    model = _ident()
+    model.compile(jit_compile=jit_compile)
+    x = _data()
+    with cs.capture(model, "*", reduce=ALL, hist_range=RANGE, bins=BINS) as cap:
+        model.predict(x, batch_size=3, verbose=0)  # 4 uneven batches, the first all NaN/inf
+    ref = _reference(x)
+    assert ref["nan_count"] == 11 and ref["inf_count"] == 5  # the data is as meant
+    _check(cap, ref)
+    for key in _keys(cap, "hist"):
+        assert cap[key].sum() == np.isfinite(x).sum()  # counts sum to the finite n
+
+
+@pytest.mark.parametrize("jit_compile", JIT)
+def test_values_outside_the_range_still_count_in_the_edge_bins(jit_compile):
+    model = _ident()
+    model.compile(jit_compile=jit_compile)
+    x = np.array([[-1e30, -3.0, np.nan, 0.25], [3.0, 1e30, -np.inf, 1.0]], "float32")
+    with cs.capture(model, "*", reduce="hist", hist_range=RANGE, bins=BINS) as cap:
+        model.predict(x, batch_size=2, verbose=0)
+    for key in _keys(cap, "hist"):
+        np.testing.assert_array_equal(cap[key], [2, 0, 1, 3])
+
+
+@pytest.mark.parametrize("jit_compile", JIT)
+def test_no_finite_value_at_all_gives_nan_statistics_and_zero_counts(jit_compile):
+    model = _ident()
+    model.compile(jit_compile=jit_compile)
+    x = np.full((5, 4), np.nan, "float32")
+    x[1, :2] = np.inf
+    x[3, 3] = -np.inf
+    with cs.capture(model, "*", reduce=ALL, hist_range=RANGE, bins=BINS) as cap:
+        model.predict(x, batch_size=2, verbose=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _check(cap, _reference(x))
+    for key in _keys(cap, "hist"):
+        np.testing.assert_array_equal(cap[key], np.zeros(BINS))
+    for key in _keys(cap, "nan_count"):
+        assert cap[key] == 17
+
+
+@pytest.mark.parametrize("jit_compile", JIT)
+def test_fit_gives_nan_for_a_step_with_no_finite_value(jit_compile):
+    inputs = keras.Input((4,))
+    h = keras.layers.Lambda(lambda x: x * 1.0, name="ident")(inputs)
+    h = keras.layers.Lambda(lambda x: keras.ops.nan_to_num(x, nan=0.0, posinf=0.0,
+                                                           neginf=0.0), name="clean")(h)
+    model = cs.Model(inputs, keras.layers.Dense(1, name="head")(h), name="m")
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse", jit_compile=jit_compile)
+    x = np.random.default_rng(2).normal(size=(12, 4)).astype("float32")
+    x[4:8] = np.nan  # step 1: nothing finite
+    x[8, 0], x[9, 1] = np.inf, np.nan
+    stats = ("mean", "std", "min", "frac_zero", "hist", "nan_count", "inf_count")
+    with cs.capture(model, lambda point, layer: layer.name == "ident", reduce=stats,
+                    hist_range=RANGE, bins=BINS) as cap:
+        model.fit(x, np.zeros((12, 1), "float32"), batch_size=4, epochs=1, verbose=0,
+                  shuffle=False)
+    refs = [_reference(x[i:i + 4]) for i in (0, 4, 8)]
+    for stat in stats:
+        (key,) = _keys(cap, stat)
+        value = cap[key]
+        expected = np.array([r[stat] for r in refs], np.float64)
+        assert value.shape == expected.shape, key
+        np.testing.assert_allclose(value, expected, rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+def test_float16_overflow_shows_as_inf_count_and_is_left_out_of_the_mean():
+    model = cs.Sequential([keras.Input((4,)),
+                           keras.layers.Dense(4, dtype="mixed_float16", name="big",
+                                              kernel_initializer=keras.initializers.Constant(300.0))],
+                          name="m")
+    x = np.ones((8, 4), "float32")
+    x[:4] = 300.0  # outputs 360000: inf in float16; the other rows give 1200
+    with cs.capture(model, "*", reduce=("mean", "max", "inf_count", "nan_count")) as cap:
+        out = model.predict(x, batch_size=4, verbose=0)
+    assert np.isinf(out[:4]).all()
+    for key in _keys(cap, "inf_count"):
+        assert cap[key] == 16
+    for key in _keys(cap, "nan_count"):
+        assert cap[key] == 0
+    for stat in ("mean", "max"):
+        for key in _keys(cap, stat):
+            assert cap[key] == pytest.approx(1200.0)
+
+
+# The host merge, directly.
+
+def _rows(*parts):
+    """Partials with a step axis from a list of dicts of scalars or arrays."""
+    return {k: np.stack([np.asarray(p[k], np.float32) for p in parts]) for k in parts[0]}
+
+
+def _partials_of(values):
+    """Partials of one step as the device would give them (float32 values)."""
+    f = np.asarray(values, np.float64)
+    f = f[np.isfinite(f)]
+    mean = f.mean() if f.size else 0.0
+    return {"n": f.size, "mean": mean, "m2": ((f - mean) ** 2).sum(),
+            "min": f.min() if f.size else np.inf, "max": f.max() if f.size else -np.inf,
+            "absmax": np.abs(f).max() if f.size else -np.inf, "nzero": (f == 0).sum(),
+            "nnan": np.isnan(values).sum(), "ninf": np.isinf(values).sum(),
+            "hist": np.histogram(np.clip(f, *RANGE), BINS, RANGE)[0]}
+
+
+def test_merge_skips_rows_with_no_data_even_if_their_mean_is_nan():
+    a, b = [0.5, -2.0, 3.0], [1.0, 0.0]
+    empty = dict(_partials_of([]), mean=np.nan, m2=np.nan)  # e.g. an idle replica
+    rows = _rows(_partials_of(a), empty, _partials_of(b), empty)
+    with np.errstate(all="raise"), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        merged = _reduce.merge(rows)
+        both = np.array(a + b)
+        assert merged["n"] == 5
+        assert _reduce.finalize(merged, "mean") == pytest.approx(both.mean())
+        assert _reduce.finalize(merged, "std") == pytest.approx(both.std())
+        assert _reduce.finalize(merged, "rms") == pytest.approx(np.sqrt((both ** 2).mean()))
+        assert _reduce.finalize(merged, "min") == -2.0
+        assert _reduce.finalize(merged, "absmax") == 3.0
+        assert _reduce.finalize(merged, "frac_zero") == pytest.approx(0.2)
+
+
+def test_merge_with_no_data_at_all_gives_nan_without_warnings():
+    rows = _rows(_partials_of([np.nan, np.inf]), dict(_partials_of([]), mean=np.nan))
+    with np.errstate(all="raise"), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        merged = _reduce.merge(rows)
+        assert merged["n"] == 0
+        for stat in FINITE_STATS:
+            assert np.isnan(_reduce.finalize(merged, stat)), stat
+        assert _reduce.finalize(merged, "nan_count") == 1
+        assert _reduce.finalize(merged, "inf_count") == 1
+        np.testing.assert_array_equal(_reduce.finalize(merged, "hist"), np.zeros(BINS))
+
+
+def test_per_step_gives_nan_for_a_step_with_no_data_without_warnings():
+    steps = [[0.5, 2.0], [np.nan, -np.inf], [], [0.0, -1.0, np.nan]]
+    rows = _rows(*[_partials_of(s) for s in steps])
+    refs = [_reference(s) for s in steps]
+    with np.errstate(all="raise"), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for stat in ALL:
+            expected = np.array([r[stat] for r in refs], np.float64)
+            np.testing.assert_allclose(_reduce.per_step(rows, stat), expected, err_msg=stat)
+
+
+def test_merge_is_exact_chan_over_many_uneven_rows():
+    rng = np.random.default_rng(3)
+    chunks = [rng.normal(1e3, 1.0, size=s) for s in (1, 7, 0, 64, 3)]
+    rows = _rows(*[_partials_of(c) for c in chunks])
+    both = np.concatenate(chunks)
+    merged = _reduce.merge(rows)
+    assert _reduce.finalize(merged, "mean") == pytest.approx(both.mean(), rel=1e-7)
+    assert _reduce.finalize(merged, "std") == pytest.approx(both.std(), rel=1e-5)
+
+
+# The device partials, directly, on this backend.
+
+def _device_partials(x, stats=ALL):
+    parts = _reduce.partials(keras.ops.convert_to_tensor(x), stats, bins=BINS,
+                             hist_range=RANGE)
+    return {k: numpy(v) for k, v in parts.items()}
+
+
+def _check_partials(parts, x):
+    expected = _partials_of(np.asarray(x, np.float64).ravel())
+    assert sorted(parts) == sorted(expected)
+    for name, value in parts.items():
+        assert value.shape == (1, BINS) if name == "hist" else value.shape == (1,), name
+        assert value.dtype == np.float32, name
+        np.testing.assert_allclose(value[0], expected[name], rtol=1e-5, atol=1e-5,
+                                   err_msg=name)
+
+
+def test_partials_of_a_tensor_with_nan_and_inf():
+    x = np.array([[1.0, np.nan, -np.inf], [0.0, 2.0, np.inf], [5.0, -3.0, 0.5]], "float32")
+    parts = _device_partials(x)
+    _check_partials(parts, x)
+    assert parts["n"][0] == 6 and parts["nnan"][0] == 1 and parts["ninf"][0] == 2
+    np.testing.assert_array_equal(parts["hist"][0], [1, 0, 1, 4])
+
+
+@pytest.mark.parametrize("x", [np.zeros((0, 3), "float32"), np.full((2, 2), np.nan, "float32"),
+                               np.array([np.inf, -np.inf], "float32")],
+                         ids=["empty", "all_nan", "all_inf"])
+def test_partials_with_no_finite_value_hold_identities(x):
+    parts = _device_partials(x)
+    _check_partials(parts, x)
+    assert parts["mean"][0] == 0 and parts["m2"][0] == 0  # never NaN
+    assert parts["min"][0] == np.inf and parts["max"][0] == -np.inf
+    assert parts["absmax"][0] == -np.inf
+
+
+def test_partials_hold_only_what_the_statistics_need():
+    x = np.array([np.nan, 1.0, np.inf], "float32")
+    assert sorted(_device_partials(x, ("nan_count",))) == ["nnan"]
+    assert sorted(_device_partials(x, ("inf_count", "min"))) == ["min", "n", "ninf"]
+
+
+@pytest.mark.skipif(BACKEND == "torch", reason="torch runs the partials eagerly")
+def test_partials_compile_with_static_shapes():
+    x = np.array([[1.0, np.nan, -np.inf, 0.0], [0.5, 9.0, np.inf, -0.75]], "float32")
+    if BACKEND == "jax":
+        import jax
+
+        fn = jax.jit(lambda t: _reduce.partials(t, ALL, BINS, RANGE))
+    else:
+        import tensorflow as tf
+
+        fn = tf.function(lambda t: _reduce.partials(t, ALL, BINS, RANGE), jit_compile=True)
+    parts = {k: numpy(v) for k, v in fn(keras.ops.convert_to_tensor(x)).items()}
+    _check_partials(parts, x)
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="the plain-torch fast path")
+@pytest.mark.parametrize("x", [np.array([[1.0, np.nan, -np.inf, 0.0], [0.5, 9.0, np.inf, -0.75]],
+                                        "float32"),
+                               np.zeros((0, 4), "float32"), np.full((3,), np.nan, "float32")],
+                         ids=["mixed", "empty", "all_nan"])
+def test_torch_fast_path_matches_the_keras_ops_path(x, monkeypatch):
+    fast = _device_partials(x)
+    monkeypatch.setattr(_reduce, "_TORCH", False)
+    slow = _device_partials(x)
+    assert sorted(fast) == sorted(slow)
+    for name in fast:
+        np.testing.assert_allclose(fast[name], slow[name], rtol=1e-6, err_msg=name)
+
+
+def test_the_new_statistics_are_accepted_and_documented():
+    assert _reduce.check_stats(("nan_count", "inf_count")) == ("nan_count", "inf_count")
+    doc = _reduce.__doc__
+    for stat in _reduce.STATS:
+        assert f"`{stat}`" in doc, stat
+    assert "finite" in doc and "NaN" in doc and "inf" in doc
+
+
+def test_hist_range_from_the_first_batch_leaves_non_finite_values_out():
+    model = _ident()
+    x = np.array([[np.nan, -0.5, np.inf, 2.0], [-np.inf, 0.0, 1.0, np.nan],
+                  [9.0, np.nan, -9.0, 0.0]], "float32")
+    with cs.capture(model, "*", reduce=("hist", "nan_count"), bins=BINS) as cap:
+        model.predict(x, batch_size=2, verbose=0)
+    for key in _keys(cap, "hist"):
+        np.testing.assert_allclose(cap.hist_edges(key), np.linspace(-0.5, 2.0, BINS + 1))
+        np.testing.assert_array_equal(cap[key], [4, 0, 1, 2])  # 9 and -9 in the edge bins
