@@ -9,7 +9,7 @@ import keras
 from keras import layers, ops
 
 import callscope as cs
-from conftest import BACKEND, numpy
+from conftest import numpy
 
 X = np.random.default_rng(0).normal(size=(8, 4)).astype("float32")
 
@@ -345,3 +345,55 @@ def test_to_refuses_a_directory_with_files_unless_overwrite(tmp_path):
     np.testing.assert_allclose(cap["seq/hidden:output"],
                                keras.Model(model.inputs, model.get_layer("hidden").output)
                                .predict(X, verbose=0), rtol=1e-6)
+
+
+# --------------------------------------------------------------------------
+# Histogram ranges: from the first batch each kind of step sees
+# --------------------------------------------------------------------------
+def _bn_model():
+    return cs.Sequential([keras.Input((4,)), layers.Dense(6, name="dense"),
+                          layers.BatchNormalization(name="bn"), layers.Dropout(0.3, name="drop"),
+                          layers.Dense(1, name="out")], name="bnnet")
+
+
+def test_fit_hist_range_is_the_first_training_batchs_range():
+    model = _bn_model()
+    model.compile(optimizer="sgd", loss="mse")
+    x = np.random.default_rng(3).normal(size=(40, 4)).astype("float32") * 50
+    y = np.random.default_rng(4).normal(size=(40, 1)).astype("float32")
+    with cs.capture(model, ["bnnet/bn", "bnnet/drop"], kinds=("output", "grad"),
+                    reduce=("hist", "min", "max"), bins=8) as cap:
+        model.fit(x, y, batch_size=16, epochs=1, shuffle=True, verbose=0)
+    for key in ("bnnet/bn:output", "bnnet/drop:output", "bnnet/bn:grad"):
+        lo, hi = cap[f"{key}/min"][0], cap[f"{key}/max"][0]  # what step 0 saw, in training
+        np.testing.assert_allclose(cap.hist_edges(f"{key}/hist"), np.linspace(lo, hi, 9),
+                                   rtol=1e-4, atol=1e-6)
+        first = cap[f"{key}/hist"][0]
+        assert first[0] > 0 and first[-1] > 0 and first.sum() == 16 * 6
+    # Training-mode BatchNormalization keeps step 0 near N(0, 1), whatever x's scale.
+    assert -10 < cap["bnnet/bn:output/min"][0] < 0 < cap["bnnet/bn:output/max"][0] < 10
+
+
+def test_hist_range_per_kind_and_from_a_dataset():
+    model = _bn_model()
+    model.compile(optimizer="sgd", loss="mse")
+
+    class Batches(keras.utils.PyDataset):
+        def __len__(self):
+            return 3
+
+        def __getitem__(self, i):
+            rows = np.random.default_rng(i).normal(size=(4, 4)).astype("float32")
+            return rows, np.zeros((4, 1), "float32")
+
+    with cs.capture(model, "bnnet/dense", kinds=("output", "grad"), reduce=("hist", "min", "max"),
+                    bins=4, hist_range={"grad": (-0.5, 0.5)}) as cap:
+        model.evaluate(Batches(), verbose=0)
+    np.testing.assert_allclose(cap.hist_edges("bnnet/dense:grad/hist"), [-0.5, -0.25, 0, 0.25, 0.5])
+    edges = cap.hist_edges("bnnet/dense:output/hist")
+    first = Batches()[0][0] @ numpy(model.get_layer("dense").kernel) \
+        + numpy(model.get_layer("dense").bias)
+    np.testing.assert_allclose(edges, np.linspace(first.min(), first.max(), 5), rtol=1e-5)
+    assert cap["bnnet/dense:output/hist"].sum() == 3 * 4 * 6
+    with pytest.raises(ValueError, match=r"`hist_range` takes \(lo, hi\).*Received: hist_range="):
+        cs.capture(model, "*", reduce="hist", hist_range={"weights": (0, 1)})

@@ -5,7 +5,8 @@ import inspect
 import callscope as cs
 
 PUBLIC = {
-    "Batch", "Capture", "LoopPointError", "ContextMixin", "Functional", "Model", "Sequential", "capture", "collecting",
+    "Batch", "Capture", "LoopPointError", "ContextMixin", "Functional", "Model", "Sequential",
+    "capture", "collecting",
     "context", "context_args", "current", "emit", "enable", "intermediate_grads",
     "IntermediateGrads", "patch", "points", "sow", "summary",
 }

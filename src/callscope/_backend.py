@@ -7,6 +7,8 @@ backend is imported here on first use, never another.
 
 from __future__ import annotations
 
+import contextlib
+
 import keras
 
 BACKEND = keras.backend.backend()
@@ -114,3 +116,24 @@ def check_same_shape(out, value, message: str):
                     message=message.format(got="(the first shape below)",
                                            want="(the second)"))
     return out
+
+
+@contextlib.contextmanager
+def same_random_numbers():
+    """What runs inside draws the random numbers that the code after it will draw
+    again: torch's global generator (an unseeded Dropout on torch draws from it)
+    is put back afterwards. JAX and TF draw from Keras seed states, which a
+    `keras.StatelessScope` never advances."""
+    if BACKEND != "torch":
+        yield
+        return
+    import torch
+
+    cpu = torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    try:
+        yield
+    finally:
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)

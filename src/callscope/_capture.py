@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 
 from callscope import _reduce, _scope, _sinks
-from callscope._points import KINDS, Spec, normalize_select
+from callscope._points import KINDS, Ranges, Spec, normalize_select
 
 # --------------------------------------------------------------------------
 # The public scope and mapping
@@ -85,9 +85,12 @@ class Capture(Mapping):
         return _sinks.read(top, key)
 
     def hist_edges(self, key: str) -> np.ndarray:
-        """The bin edges of a `.../hist` key."""
-        base = key.rpartition("/")[0] if key.endswith("/hist") else key
-        return _reduce.hist_edges(self.spec.bins, self.spec.range_for(base))
+        """The bin edges of a `.../hist` key (the calls of one kind share them)."""
+        top = self._top()
+        if not top:
+            raise KeyError(f"{key!r} was not captured: no call in this capture recorded "
+                           "anything yet")
+        return top[0].hist_edges(key)
 
     def __repr__(self) -> str:
         try:
@@ -150,6 +153,27 @@ class Capture(Mapping):
         )
 
 
+def _given_ranges(hist_range) -> tuple:
+    """`hist_range=` as `((kind or "*", lo, hi), ...)`, checked."""
+    if hist_range is None:
+        return ()
+    items = hist_range.items() if isinstance(hist_range, Mapping) else [("*", hist_range)]
+    out = []
+    for kind, pair in items:
+        try:
+            lo, hi = (float(v) for v in pair)
+        except (TypeError, ValueError):
+            lo = hi = float("nan")
+        if kind not in (*KINDS, "*") or not (np.isfinite(lo) and np.isfinite(hi) and hi > lo):
+            raise ValueError(
+                "`hist_range` takes (lo, hi) with finite lo < hi, or a dict "
+                f"{{kind: (lo, hi)}} with kinds from {', '.join(KINDS)}. "
+                f"Received: hist_range={hist_range!r}"
+            )
+        out.append((kind, lo, hi))
+    return tuple(out)
+
+
 def capture(
     model,
     select: str | list[str] | tuple[str, ...] | Callable | None = None,
@@ -157,7 +181,7 @@ def capture(
     kinds: str | tuple[str, ...] = ("output",),
     reduce: str | tuple[str, ...] | None = None,
     bins: int = 32,
-    hist_range: tuple[float, float] | None = None,
+    hist_range: tuple[float, float] | Mapping[str, tuple[float, float]] | None = None,
     to: str | os.PathLike | None = None,
     overwrite: bool = False,
     log: bool = False,
@@ -173,8 +197,13 @@ def capture(
             `absmax`, `rms`, `frac_zero`, `hist`), computed on the device.
             predict and evaluate give one exact aggregate; fit gives one row per step.
         bins: histogram bins for `hist`.
-        hist_range: `(lo, hi)` for `hist`; by default taken from the first batch
-            (array inputs).
+        hist_range: `(lo, hi)` for `hist`, or `{kind: (lo, hi)}` per kind
+            (`output`, `input`, `grad`). Finite values outside the range count in
+            the edge bins. Where no range is given, each key's range is the
+            min and max of its finite values in the first batch of the first
+            call of each kind in the scope (in `fit`, the first training batch,
+            in training mode, as the step sees it; gradients' from the
+            gradients themselves), so all calls of one kind share bin edges.
         to: a directory: full tensors stream there in shards, and are read back
             memory-mapped. It must be new or empty, unless `overwrite=True`.
         overwrite: with `to=`, delete whatever the directory holds first.
@@ -208,17 +237,12 @@ def capture(
         )
     select = normalize_select(select)
     stats = _reduce.check_stats(reduce)
-    if hist_range is not None:
-        lo, hi = (float(v) for v in hist_range)
-        if not hi > lo:
-            raise ValueError(
-                f"`hist_range` must be (lo, hi) with hi > lo. Received: {hist_range!r}"
-            )
-        hist_range = (lo, hi)
+    given = _given_ranges(hist_range)
     if stats and to is not None:
         raise ValueError("`to=` streams full tensors; it cannot be combined with `reduce=`.")
     if log and not stats:
         raise ValueError("`log=True` puts statistics into the epoch logs: give `reduce=` too. "
                          f"Received: log={log}, reduce={reduce!r}")
-    spec = Spec(select, kinds, stats, int(bins), hist_range, owner=id(model))
+    found = Ranges() if stats and "hist" in stats else None
+    spec = Spec(select, kinds, stats, int(bins), given, found, owner=id(model))
     return Capture(model, spec, to, log=log, overwrite=overwrite)

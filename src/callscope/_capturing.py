@@ -16,7 +16,7 @@ import difflib
 import keras
 import numpy as np
 
-from callscope import _record, _keras_compat, _scope, _steps
+from callscope import _backend, _grads, _keras_compat, _record, _scope, _steps
 from callscope._points import loop_points, tree_points
 from callscope._run import Run
 
@@ -28,39 +28,55 @@ class CaptureMixin:
     """Capture and patch plumbing of `ContextMixin` (see the module docstring)."""
 
     def _cs_prepare_capture(self, captures, first_batch) -> tuple:
-        """Builds the model, installs the wrappers and settles each capture's spec."""
+        """Builds the model, installs the wrappers and checks each capture's spec."""
         if not self.built and first_batch is not None:
             with _record.collecting_for(()):  # a plain call: builds, records nothing
                 self(first_batch, training=False)
         _record.install_wrappers(self)
         self._cs_check_loops(captures, ())
-        if any(c.spec.stats and "hist" in c.spec.stats and not c.spec.hist_range
-               and not c.spec.ranges for c in captures):
-            self._cs_hist_ranges(captures, first_batch)
         return tuple(c.spec for c in captures)
 
-    def _cs_hist_ranges(self, captures, first_batch):
-        """Fixes histogram ranges from an eager pass over the first batch."""
-        if first_batch is None:
-            raise ValueError(
-                "cs.capture(reduce=('hist', ...)) takes its histogram range from the "
-                "first batch only for array inputs. For a dataset or generator, pass "
-                "`hist_range=(lo, hi)`. Received: hist_range=None"
-            )
-        probe = tuple(dataclasses.replace(c.spec, stats=("min", "max"), hist_range=(0.0, 1.0))
-                      for c in captures)
-        with _record.collecting_for(probe) as collector:
-            self(first_batch, training=False)
-            found = collector.finalize()
-        for index, capture in enumerate(captures):
-            ranges = []
-            for name, part in found.items():
+    def _cs_find_ranges(self, specs, call_kind: str, data, state=None) -> None:
+        """Fixes each spec's histogram ranges for `call_kind` from one batch, the
+        one the first step is about to see: an eager, stateless pass in that
+        step's mode (training for `train`), with gradients where they are
+        captured. `state` is the JAX step's state (Keras holds the weights
+        there while its loop runs); elsewhere the variables hold them."""
+        specs = [s for s in specs if s.finds_ranges() and s.ranges.pending(call_kind)]
+        if not specs:
+            return
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(
+            _keras_compat.first_replica(self, data))
+        training = call_kind == "train"
+        probe = tuple(dataclasses.replace(s, stats=("min", "max"), hist_range=(("*", 0.0, 1.0),),
+                                          ranges=None) for s in specs)
+        grads = any("grad" in s.kinds for s in specs) and y is not None
+
+        def forward():
+            y_pred = self(x, training=training)
+            if not grads:
+                return None
+            return self.compute_loss(x, y, y_pred, sample_weight, training=training)
+
+        with keras.StatelessScope(state_mapping=_keras_compat.state_mapping(self, state)), \
+                _backend.same_random_numbers(), \
+                _record.collecting_for(probe, call_kind) as collector:
+            collector.manual = True
+            if grads:
+                _grads.impl.value_and_grads(collector, forward, ())
+            else:
+                forward()
+            found = {name: (float(_first_float(p["min"])), float(_first_float(p["max"])))
+                     for name, p in collector.finalize().items() if "|" in name}
+        for index, spec in enumerate(specs):
+            ranges = {}
+            for name, (lo, hi) in found.items():
                 i, key = name.split("|", 1)
                 if int(i) == index:
-                    lo = float(_first_float(part["min"]))
-                    hi = float(_first_float(part["max"]))
-                    ranges.append((key, lo, hi if hi > lo else lo + 1.0))
-            capture.spec = dataclasses.replace(capture.spec, ranges=tuple(sorted(ranges)))
+                    if not (np.isfinite(lo) and np.isfinite(hi)):  # no finite value
+                        lo, hi = -1.0, 1.0
+                    ranges[key] = (lo, hi if hi > lo else lo + 1.0)
+            spec.ranges.found.setdefault(call_kind, ranges)
 
     def _cs_check_loops(self, captures, patches) -> None:
         """A capture or patch that names a layer inside an RNN exactly is refused
@@ -104,8 +120,9 @@ class CaptureMixin:
         """A direct, eager `model(x)` inside a capture or patch scope: one run."""
         if captures:
             _steps.check_capture_supported(self, "__call__", tuple(c.spec for c in captures))
-        first = args[0] if args else None
+        first = args[0] if args else kwargs.get("inputs")
         specs = self._cs_prepare_capture(captures, first) if captures else ()
+        self._cs_find_ranges(specs, "call", (first,))
         if patches:
             _record.install_wrappers(self)
             self._cs_check_loops(captures, patches)
@@ -152,16 +169,15 @@ class CaptureMixin:
         )
 
 
-def first_batch_of(args, kwargs):
-    """The first batch of array inputs (for histogram ranges), else None."""
+def first_x(args, kwargs):
+    """The first rows of array inputs (to build an unbuilt model), else None."""
     x = args[0] if args else kwargs.get("x")
     if x is None:
         return None
     leaves = keras.tree.flatten(x)
     if not leaves or not all(isinstance(v, np.ndarray) or keras.ops.is_tensor(v) for v in leaves):
         return None
-    size = kwargs.get("batch_size") or 32
-    return keras.tree.map_structure(lambda v: v[:size], x)
+    return keras.tree.map_structure(lambda v: v[:1], x)
 
 
 def _first_float(x):

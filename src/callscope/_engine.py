@@ -33,7 +33,7 @@ import keras
 import numpy as np
 
 from callscope import _keras_compat, _keys, _record, _scope, _steps
-from callscope._capturing import CAPTURE, PATCH, CaptureMixin, first_batch_of
+from callscope._capturing import CAPTURE, PATCH, CaptureMixin, first_x
 from callscope._functions import (
     PerKeyFunction,
     RunFunction,
@@ -203,7 +203,7 @@ class Engine(CaptureMixin):
         if captures:
             _steps.check_capture_supported(self, method, tuple(c.spec for c in captures))
         if captures or patches:
-            specs = self._cs_prepare_capture(captures, first_batch_of(args, kwargs))
+            specs = self._cs_prepare_capture(captures, first_x(args, kwargs))
             if specs:
                 key = (*key, (CAPTURE, specs))
             if patches:
@@ -221,7 +221,8 @@ class Engine(CaptureMixin):
                 positions = {id(v): i for i, v in enumerate(self.non_trainable_variables)}
                 dynamic = [(positions[id(v)], a) for v, a in dynamic]
             run = Run(self, method, entry, tuple(dynamic), calls, patches, nested,
-                      _keras_compat.replicas(self) > 1, self._cs_row_offset(method, patches))
+                      _keras_compat.replicas(self) > 1, self._cs_row_offset(method, patches),
+                      tuple(c.spec for c in captures if c.spec.finds_ranges()))
             logging = next((i for i, c in enumerate(captures) if c.log), None)
             if method == "fit" and logging is not None:
                 user = list(kwargs.get("callbacks") or [])

@@ -72,7 +72,7 @@ def step_closure(model, kind, values, specs, patches, reads, hits):
             if not specs and not patches:
                 return step(model, *args, **kwargs)
             offset = model._cs.rows_offset if patches else None
-            with _record.collecting_for(specs) as collector, \
+            with _record.collecting_for(specs, kind) as collector, \
                     _record.patching(patches, offset) as active:
                 if collector.wants_grads and kind != "predict":
                     result = _steps.step_with_grads(model, kind, step, args, kwargs, collector)
@@ -105,6 +105,12 @@ class RunFunction:
     def __call__(self, *args, **kwargs):
         model, function = self.model, self.__wrapped__
         run = _scope.run_of(model)
+        if run is not None and run.ranges and any(s.ranges.pending(self.kind)
+                                                  for s in run.ranges):
+            # Histogram ranges come from the batch this first step sees, fixed
+            # before the step is traced (it reads them while tracing).
+            batch, args, state = _keras_compat.peek_batch(args)
+            model._cs_find_ranges(run.ranges, self.kind, batch, state)
         if run is None or not (run.dynamic or run.replicated or run.offset):  # common case
             with _scope.steps_of(model):
                 return _steps.pop_sown(self.kind, function(*args, **kwargs), run)

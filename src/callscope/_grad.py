@@ -6,20 +6,24 @@ Inside `fit`/`evaluate`, `cs.capture(model, kinds=("grad",))` does this for you
 records the selected points, and returns d loss / d point for each.
 
 - JAX: `loss_fn` must be a pure function of its arguments (the stateless style).
+  It is traced once (`jax.make_jaxpr`), and the jaxpr is differentiated.
 - torch: the caller can still call `loss.backward()` afterwards.
+
+A selection that matches no point `loss_fn` runs through is an error.
 
 How each backend differentiates is in `_grads`.
 """
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import keras
 
 from callscope import _grads, _record
-from callscope._points import Spec, key_name, normalize_select
+from callscope._points import Spec, key_name, normalize_select, tree_points
 
 _BACKEND = keras.backend.backend()
 
@@ -45,6 +49,9 @@ def intermediate_grads(
         select: as in `cs.capture`: globs or `(point, layer) -> bool`; by default
             every sown point.
 
+    Raises:
+        ValueError: `select` matched no point that `loss_fn` ran through.
+
     Example:
 
     >>> import keras, numpy as np, callscope as cs
@@ -63,21 +70,52 @@ def intermediate_grads(
     >>> keras.ops.convert_to_numpy(result.grads["m/block/h:grad"])  # d sum(h^2)/dh = 2h
     array([[6., 6.]], dtype=float32)
     """
-    spec = Spec(normalize_select(select), ("output", "grad"), None, 1, None)
+    spec = Spec(normalize_select(select), ("output", "grad"), None, 1, None, owner=id(model))
     _record.install_wrappers(model)
     with _record.collecting_for((spec,)) as collector:
         collector.manual = True
         result = _grads.impl.value_and_grads(collector, loss_fn, args)
+    grads = _named(collector.records, "grad")
+    if not grads:
+        raise ValueError(_nothing_selected(model, spec, collector))
     loss, aux = (result[0], result[1]) if isinstance(result, tuple) else (result, None)
-    return IntermediateGrads(loss, aux, _named(collector.records, "grad"),
-                             _named(collector.records, "output"))
+    return IntermediateGrads(loss, aux, grads, _named(collector.records, "output"))
 
 
 def _named(records, kind):
     out = {}
     for name, values in records.items():
-        _, point, recorded = name.split("|")
+        _, rest = name.split("|", 1)
+        point, recorded = rest.rsplit("|", 1)
         if recorded == kind:
             for i, value in enumerate(values):
                 out[key_name(point, kind, i, len(values))] = value
     return out
+
+
+def _nothing_selected(model, spec, collector) -> str:
+    """The error for a `select` that matched no point `loss_fn` ran through."""
+    ran = list(dict.fromkeys(entry[1] for entry in collector.tree
+                             if entry[3] is not _record.LOOP))
+    wanted = spec.select
+    if not ran:
+        hint = ("`loss_fn` ran no layer of `model` (call `model`, or its "
+                "`stateless_call` on JAX, inside `loss_fn`)")
+    elif callable(wanted):
+        hint = "the `select` callable returned False for every point `loss_fn` ran through"
+    elif wanted is None:
+        hint = ("no layer called `cs.sow` while `loss_fn` ran (by default only sown "
+                "values are selected; pass `select=` globs to pick layers)")
+    else:
+        hint = f"no point that `loss_fn` ran through matched {list(wanted)}"
+    points = ran or tree_points(model)
+    near = points[:8]
+    if isinstance(wanted, tuple):
+        near = sorted({p for w in wanted
+                       for p in difflib.get_close_matches(w, points, n=5, cutoff=0.2)}) or near
+    return (
+        "cs.intermediate_grads differentiates the loss with respect to the selected "
+        f"points, and selected none: {hint}. Nearest points: {near}. Use "
+        "`cs.points(model, x)` to list every point. Received: "
+        f"select={wanted!r}"
+    )

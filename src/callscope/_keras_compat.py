@@ -18,6 +18,7 @@ import contextlib
 import contextvars
 import functools
 import inspect
+import itertools
 
 import keras
 
@@ -140,6 +141,49 @@ def add_hidden_state(model, variable):
 # fit's validation calls `evaluate(..., _use_cached_eval_dataset=True)`
 # (keras 3.15.1: backend/*/trainer.py fit).
 PRIVATE_EVALUATE_ARGUMENTS = frozenset({"_use_cached_eval_dataset"})
+
+
+def peek_batch(args) -> tuple:
+    """(the batch a made function's first step will see, the arguments to call it
+    with, its JAX state or None). Keras 3.15.1 passes: JAX `(state, iterator)`
+    (backend/jax/trainer.py:462, 787); TensorFlow a `tf.data` or distributed
+    iterator, or a generator for `*_on_batch` (backend/tensorflow/trainer.py:399,
+    629), which Keras's function also takes as any iterable of batches, and a list
+    of batches to predict (:587, 660); torch a list of batches
+    (backend/torch/trainer.py:267, 479)."""
+    backend = keras.backend.backend()
+    if backend == "jax":
+        state, iterator = args[0], args[1]
+        first = next(iterator)
+        return first, (state, itertools.chain([first], iterator), *args[2:]), state
+    if backend == "tensorflow" and not isinstance(args[0], list | tuple):
+        iterator = args[0]
+        first = iterator.get_next() if hasattr(iterator, "get_next") else next(iterator)
+        return first, ([first], *args[1:]), None
+    return args[0][0], args, None  # a list of batches (torch; TF's predict)
+
+
+def first_replica(model, data):
+    """`data` as one replica sees it (a tf.distribute PerReplica value has one
+    part per replica)."""
+    strategy = getattr(model, "distribute_strategy", None)
+    if strategy is None or getattr(strategy, "num_replicas_in_sync", 1) <= 1:
+        return data
+    return keras.tree.map_structure(
+        lambda v: strategy.experimental_local_results(v)[0], data)
+
+
+def state_mapping(model, state) -> list:
+    """(variable, value) pairs for a `keras.StatelessScope`: the JAX step's state
+    where Keras's loop holds the values (its layout: trainable, non-trainable, ...,
+    metrics last; backend/jax/trainer.py:98-196), else each variable's value."""
+    if state is None:
+        return [(v, v.value) for v in model.trainable_variables + model.non_trainable_variables]
+    pairs = list(zip(model.trainable_variables, state[0]))
+    pairs += list(zip(model.non_trainable_variables, state[1]))
+    if len(state) > 2:
+        pairs += list(zip(model.metrics_variables, state[-1]))
+    return pairs
 
 
 def replicas(model) -> int:

@@ -69,6 +69,24 @@ def normalize_select(select) -> tuple[str, ...] | Callable | None:
     return select
 
 
+CALL_KINDS = {"fit": "train", "train_on_batch": "train", "evaluate": "test",
+              "test_on_batch": "test", "predict": "predict", "predict_on_batch": "predict",
+              "__call__": "call"}
+
+
+class Ranges:
+    """Histogram ranges found from the first batch of each kind of call (`train`,
+    `test`, `predict`, `call`) in one capture: `{call kind: {key: (lo, hi)}}`.
+    Filled once, before that kind's first step is traced; the compiled steps read
+    it while tracing. Hashed by identity: one capture scope, one set of ranges."""
+
+    def __init__(self):
+        self.found: dict[str, dict[str, tuple[float, float]]] = {}
+
+    def pending(self, call_kind: str) -> bool:
+        return call_kind not in self.found
+
+
 @dataclass(frozen=True)
 class Spec:
     """What one capture selects: hashable, so it can be part of a compiled key."""
@@ -77,8 +95,8 @@ class Spec:
     kinds: tuple[str, ...]
     stats: tuple[str, ...] | None
     bins: int
-    hist_range: tuple[float, float] | None
-    ranges: tuple = ()  # ((key, lo, hi), ...) taken from the first batch
+    hist_range: tuple = ()  # ((kind or "*", lo, hi), ...): ranges given by the user
+    ranges: Ranges | None = None  # ranges found from first batches, where not given
     owner: int = 0  # id of the model whose capture this is (points are named from it)
 
     def selects(self, point: str, layer: Any, sown: bool) -> bool:
@@ -88,12 +106,22 @@ class Spec:
             return bool(self.select(point, layer))
         return any(fnmatch.fnmatchcase(point, pattern) for pattern in self.select)
 
-    def range_for(self, key: str) -> tuple[float, float]:
-        if self.hist_range is not None:
-            return self.hist_range
-        for name, lo, hi in self.ranges:
-            if name == key:
+    def given_range(self, kind: str) -> tuple[float, float] | None:
+        for name, lo, hi in self.hist_range:
+            if name in (kind, "*"):
                 return lo, hi
-        if self.ranges:  # a point first seen after the first batch
-            return min(r[1] for r in self.ranges), max(r[2] for r in self.ranges)
-        return -1.0, 1.0
+        return None
+
+    def range_for(self, key: str, call_kind: str) -> tuple[float, float]:
+        """The histogram range of `key` in calls of `call_kind`: given for its kind,
+        else found from the first batch (`Ranges`), else (-1, 1)."""
+        given = self.given_range(key.rpartition(":")[2].partition("/")[0])
+        if given is not None:
+            return given
+        found = self.ranges.found.get(call_kind, {}) if self.ranges is not None else {}
+        return found.get(key, (-1.0, 1.0))
+
+    def finds_ranges(self) -> bool:
+        """Does a kind this spec records need its histogram range found?"""
+        return bool(self.stats and "hist" in self.stats and self.ranges is not None
+                    and any(self.given_range(k) is None for k in self.kinds))

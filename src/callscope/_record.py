@@ -81,8 +81,9 @@ class Collector:
     """Names points and records what the active specs select, during one step or
     one eager call."""
 
-    def __init__(self, specs: tuple[Spec, ...]):
+    def __init__(self, specs: tuple[Spec, ...], kind: str = "call"):
         self.specs = specs
+        self.kind = kind  # train, test, predict or call: which histogram ranges apply
         self.records: dict[str, list] = {}
         self.stack: list[_Frame] = []
         self.owners: dict[str, int] = {}  # point -> id(layer): instances never share
@@ -210,7 +211,7 @@ class Collector:
                 key = key_name(point, kind, i, len(values))
                 if spec.stats:
                     out[f"{index}|{key}"] = _reduce.partials(
-                        value, spec.stats, spec.bins, spec.range_for(key)
+                        value, spec.stats, spec.bins, spec.range_for(key, self.kind)
                     )
                 else:
                     out[f"{index}|{key}"] = value if len(value.shape) else ops.expand_dims(value, 0)
@@ -249,9 +250,9 @@ def active_collector() -> Collector | None:
 
 
 @contextlib.contextmanager
-def collecting_for(specs: tuple[Spec, ...]) -> Iterator[Collector]:
-    """Opens a collector for `specs` in this context (inside a step, or eagerly)."""
-    collector = Collector(specs)
+def collecting_for(specs: tuple[Spec, ...], kind: str = "call") -> Iterator[Collector]:
+    """Opens a collector for `specs` in this context (inside a `kind` step, or eagerly)."""
+    collector = Collector(specs, kind)
     token = _COLLECTOR.set(collector)
     try:
         yield collector
@@ -296,7 +297,7 @@ def collecting() -> Iterator[Collected]:
     if outer is None:
         yield result
         return
-    with collecting_for(outer.specs) as inner:
+    with collecting_for(outer.specs, outer.kind) as inner:
         # One naming for the whole step: the same stack, owners and loop points.
         inner.stack, inner.owners, inner.loops = list(outer.stack), outer.owners, outer.loops
         inner.tree = outer.tree

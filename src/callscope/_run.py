@@ -44,6 +44,7 @@ class Run:
     nested: bool = False  # another run of the same model is in progress below it
     replicated: bool = False  # under a tf.distribute strategy with several replicas
     offset: Any = None  # RowOffset, for patches that take the batch
+    ranges: tuple = ()  # specs whose histogram ranges the first step fixes
 
     def sink(self, kind: str, sown) -> None:
         for name, value in sown.items():

@@ -18,7 +18,7 @@ import numpy as np
 from keras import ops
 
 from callscope import _reduce
-from callscope._points import Spec
+from callscope._points import CALL_KINDS, Spec
 
 _TORCH = keras.backend.backend() == "torch"
 
@@ -102,7 +102,8 @@ class Call(Mapping):
     def hist_edges(self, key: str) -> np.ndarray:
         """The bin edges of a `.../hist` key."""
         base = key.rpartition("/")[0] if key.endswith("/hist") else key
-        return _reduce.hist_edges(self.spec.bins, self.spec.range_for(base))
+        return _reduce.hist_edges(self.spec.bins,
+                                  self.spec.range_for(base, CALL_KINDS[self.method]))
 
     def __repr__(self) -> str:
         kind = "nested " if self.nested else ""

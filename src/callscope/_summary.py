@@ -14,8 +14,7 @@ import keras
 from callscope import _keras_compat, _record
 from callscope._points import Spec
 
-_EVERYTHING = Spec(select=lambda point, layer: True, kinds=("output",), stats=None,
-                            bins=1, hist_range=None)
+_EVERYTHING = Spec(select=lambda point, layer: True, kinds=("output",), stats=None, bins=1)
 
 
 def _run(model, x):

@@ -3,7 +3,8 @@
 Every backend module gives the same three functions, used by the in-step capture
 (`kinds=("grad",)` in fit/evaluate) and by `cs.intermediate_grads`:
 
-- `at_loss(collector, loss)`: called with every loss a step computes.
+- `at_loss(collector, loss)`: called with every loss a step computes; the first
+  goes through `note_loss`, which refuses a second one.
 - `step_with_grads(model, kind, step, args, kwargs, collector)`: one train/test
   step that also files d loss / d source for every source.
 - `value_and_grads(collector, loss_fn, args)`: runs `loss_fn(*args)` once and files
@@ -11,8 +12,14 @@ Every backend module gives the same three functions, used by the in-step capture
 
 TensorFlow records the step on an outer persistent tape; torch calls
 `torch.autograd.grad(..., retain_graph=True)` before the step's own `backward()`;
-JAX differentiates zero perturbations added to each source (shapes from
-`jax.eval_shape`) in the same `value_and_grad` as the weights: one forward pass.
+JAX differentiates zero perturbations added to each source. In a step, JAX learns
+their shapes from `jax.eval_shape` (at trace time) and differentiates them in the
+same `value_and_grad` as the weights; `cs.intermediate_grads` traces `loss_fn` once
+to a jaxpr and differentiates that (see `_grads/jax.py`).
+
+One loss per step: a step that calls `compute_loss` twice (an auxiliary loss, the
+loss computed twice) raises on every backend, as Keras cannot tell which of its
+losses the step trains on; the default steps call it once.
 """
 
 from __future__ import annotations
@@ -41,4 +48,21 @@ def require_loss(collector, kind: str) -> None:
         )
 
 
-__all__ = ["impl", "require_loss"]
+def note_loss(collector, loss) -> None:
+    """Keeps the step's loss; a second `compute_loss` in one step is an error."""
+    if collector.loss is not None:
+        raise ValueError(
+            "cs.capture(kinds=('grad',)) takes d loss / d point from the one loss a "
+            "train/test step computes with `compute_loss`, and this step called "
+            "`compute_loss` more than once (an auxiliary loss, or the loss computed "
+            "twice), so the gradients would not be those of the loss the step trains "
+            "on. Compute the total loss with a single `self.compute_loss(...)` call "
+            "(auxiliary terms can be added with `self.add_loss(...)` in a layer), or "
+            "take the gradients yourself inside the step with "
+            "`cs.intermediate_grads(model, loss_fn, ...)`. Received: a second "
+            "compute_loss call in one step"
+        )
+    collector.loss = loss
+
+
+__all__ = ["impl", "note_loss", "require_loss"]

@@ -1,20 +1,30 @@
-"""JAX: zero perturbations added to each source, differentiated in one
-`value_and_grad` (with the weights, in a train step): one forward pass.
+"""JAX: d loss / d source is the gradient of a zero perturbation added to it.
 
-The sources' shapes come from `jax.eval_shape` of the same forward pass. Values
-sown inside the differentiated function leave it through its aux output.
+In a step, the perturbations are differentiated in one `value_and_grad` with the
+weights: one forward pass. Their shapes come from `jax.eval_shape` of the same
+forward pass, which runs only when the step is traced. Values sown inside the
+differentiated function leave it through its aux output.
+
+`cs.intermediate_grads` runs `loss_fn` once: `jax.make_jaxpr` traces it with a
+placeholder added to each source (so the trace learns the sources' shapes), the
+placeholders are made inputs of the jaxpr, and `value_and_grad` differentiates
+the jaxpr with respect to them. Where that rewrite does not apply (a source the
+trace did not mark), it falls back to running `loss_fn` again with perturbations
+of the shapes the trace found.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
-from callscope import _keras_compat, _record
+from callscope import _grads, _keras_compat, _record
 
 
 def at_loss(collector, loss) -> None:
-    del collector, loss  # the gradient comes from value_and_grad, not the loss hook
+    # The gradient comes from value_and_grad; the loss is kept to refuse a second one.
+    _grads.note_loss(collector, loss)
 
 
 def _zeros(collector, forward, *args) -> dict:
@@ -73,18 +83,106 @@ def step_with_grads(model, kind, step, args, kwargs, collector):
     return _keras_compat.jax_stock_step(model, kind, args[0], args[1], differentiate)
 
 
+# --------------------------------------------------------------------------
+# cs.intermediate_grads: one trace of `loss_fn`
+# --------------------------------------------------------------------------
+def _split(result):
+    return (result[0], result[1:]) if isinstance(result, tuple) else (result, ())
+
+
 def value_and_grads(collector, loss_fn, args):
     collector.manual = True
-    zeros = _zeros(collector, loss_fn, *args)
+    placeholders = []  # one per source, in the order the trace met them
+    index = {}  # id(the value the forward pass goes on with) -> (position, that value)
+
+    def mark(value):
+        # `source + placeholder`, where the placeholder is the sole output of its own
+        # equation: `_as_inputs` turns that equation into an input of the jaxpr.
+        placeholder = lax.optimization_barrier(jnp.zeros_like(value))
+        marked = lax.add(value, placeholder)
+        index[id(marked)] = (len(placeholders), marked)  # held: the id stays unique
+        placeholders.append(placeholder)
+        return marked
+
+    def traced(*args):
+        return loss_fn(*args), collector.records, placeholders
+
+    previous = collector.on_grad_source
+    collector.on_grad_source = mark
+    try:
+        closed, shapes = jax.make_jaxpr(traced, return_shape=True)(*args)
+    finally:
+        collector.on_grad_source = previous
+    def position(value):  # of the placeholder of a source; None: not marked here
+        found = index.get(id(value))
+        return found[0] if found is not None and found[1] is value else None
+
+    sources = collector.grad_source_list()  # (name, marked tracer of the trace above)
+    order = [position(value) for _, value in sources]
+    out_tree = jax.tree.structure(shapes[:2])
+    fn = None if None in order else _as_inputs(closed, out_tree.num_leaves)
+    if fn is None:
+        return _fallback(collector, loss_fn, args, sources)
+    leaves = jax.tree.leaves(args)  # make_jaxpr's inputs, in order
 
     def forward(perturbations):
-        result = _perturbed(collector, loss_fn)(perturbations, *args)
-        loss, aux = (result[0], result[1:]) if isinstance(result, tuple) else (result, ())
+        result, records = jax.tree.unflatten(out_tree, fn(*leaves, *perturbations))
+        loss, aux = _split(result)
+        return loss, (aux, records)
+
+    zeros = [jnp.zeros(s.shape, s.dtype) for s in shapes[2]]
+    (loss, (aux, records)), grads = jax.value_and_grad(forward, has_aux=True)(zeros)
+    collector.records = {}
+    collector.merge(records)  # the outputs, as values (not tracers of the trace)
+    collector.grad_sources = {}
+    collector.add_grads({name: grads[i] for (name, _), i in zip(sources, order)})
+    return (loss, *aux) if aux else loss
+
+
+def _as_inputs(closed, kept: int):
+    """The closed jaxpr of `traced` as a function `(*arg leaves, *placeholders) ->
+    its first `kept` outputs`, each placeholder an input; None if the jaxpr is not
+    as expected (then the caller falls back)."""
+    try:
+        return _rewritten(closed, kept)
+    except (AttributeError, ImportError, TypeError, ValueError):  # another jax's API
+        return None
+
+
+def _rewritten(closed, kept: int):
+    from jax.extend.core import ClosedJaxpr, Var, jaxpr_as_fun
+
+    jaxpr = closed.jaxpr
+    placeholders = jaxpr.outvars[kept:]
+    defined_by = {v: i for i, eqn in enumerate(jaxpr.eqns) for v in eqn.outvars}
+    drop = set()
+    for var in placeholders:  # each the sole output of its own optimization_barrier
+        i = defined_by.get(var) if isinstance(var, Var) else None
+        if (i is None or i in drop or len(jaxpr.eqns[i].outvars) != 1
+                or jaxpr.eqns[i].primitive.name != "optimization_barrier"):
+            return None
+        drop.add(i)
+    rewritten = jaxpr.replace(
+        invars=[*jaxpr.invars, *placeholders], outvars=jaxpr.outvars[:kept],
+        eqns=[eqn for i, eqn in enumerate(jaxpr.eqns) if i not in drop],
+    )
+    return jaxpr_as_fun(ClosedJaxpr(rewritten, closed.consts))
+
+
+def _fallback(collector, loss_fn, args, sources):
+    """`loss_fn` run again under `value_and_grad`, with perturbations of the sources'
+    shapes the trace found (a second Python run of it)."""
+    zeros = {name: jnp.zeros(value.shape, value.dtype) for name, value in sources}
+    collector.records, collector.grad_sources = {}, {}
+    del collector.tree[:]
+
+    def forward(perturbations):
+        loss, aux = _split(_perturbed(collector, loss_fn)(perturbations, *args))
         return loss, (aux, collector.records)
 
     (loss, (aux, records)), grads = jax.value_and_grad(forward, has_aux=True)(zeros)
     collector.records = {}
-    collector.merge(records)  # the outputs, as values (not tracers of the grad trace)
+    collector.merge(records)
     collector.grad_sources = {}
     collector.add_grads(grads)
     return (loss, *aux) if aux else loss

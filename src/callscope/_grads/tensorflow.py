@@ -1,4 +1,9 @@
-"""TensorFlow: one persistent tape around the forward pass, one `tape.gradient`."""
+"""TensorFlow: one persistent tape around the forward pass, one `tape.gradient`.
+
+Each source is a `tf.identity` of the value, watched: a layer that returns its
+input unchanged (`Identity`) is then a source of its own, whose gradient counts
+only the paths through its output, as on JAX and torch.
+"""
 
 from __future__ import annotations
 
@@ -11,8 +16,13 @@ from callscope import _grads
 
 @contextlib.contextmanager
 def _recording(collector):
+    def source(value):
+        value = tf.identity(value)
+        tape.watch(value)
+        return value
+
     with tf.GradientTape(persistent=True) as tape:
-        collector.on_grad_source = lambda v: (tape.watch(v), v)[1]
+        collector.on_grad_source = source
         yield tape
 
 
@@ -24,7 +34,7 @@ def _file(collector, tape, loss) -> None:
 
 
 def at_loss(collector, loss) -> None:
-    collector.loss = loss  # differentiated after the step, on the outer tape
+    _grads.note_loss(collector, loss)  # differentiated after the step, on the outer tape
 
 
 def step_with_grads(model, kind, step, args, kwargs, collector):

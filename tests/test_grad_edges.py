@@ -1,0 +1,425 @@
+"""Edges of d loss / d point, alike on every backend: empty selections, steps that
+call `compute_loss` twice, sources that are one tensor, and one run of `loss_fn`."""
+
+import keras
+import numpy as np
+import pytest
+from conftest import BACKEND, numpy
+
+import callscope as cs
+
+rng = np.random.default_rng(0)
+X = rng.normal(size=(5, 3)).astype("float32")
+Y = rng.normal(size=(5, 1)).astype("float32")
+METHODS = ["fit", "evaluate", "train_on_batch", "test_on_batch"]
+ONE_LOSS = "called `compute_loss` more than once"
+
+
+def _layers():
+    return [keras.Input((3,)), keras.layers.Dense(4, name="d1"), keras.layers.Dense(1, name="d2")]
+
+
+def _model(cls=None, run_eagerly=False):
+    keras.utils.set_random_seed(0)
+    model = (cls or cs.Sequential)(_layers(), name="m")
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse", run_eagerly=run_eagerly)
+    return model
+
+
+def _one(mapping, suffix):
+    """The value whose key is `.../<suffix>`: point names may grow prefixes."""
+    found = [mapping[k] for k in mapping if k == suffix or k.endswith("/" + suffix)]
+    assert len(found) == 1, (suffix, sorted(mapping))
+    return numpy(found[0])
+
+
+def _weights(model, name):
+    return [numpy(v) for v in model.get_layer(name).weights]
+
+
+def _reference(model, x=X, y=Y, scale=1.0):
+    """d (scale * mse) / d each Dense output, by hand (numpy)."""
+    w1, b1 = _weights(model, "d1")
+    w2, b2 = _weights(model, "d2")
+    h = x @ w1 + b1
+    out = h @ w2 + b2
+    d_out = scale * 2 * (out - y) / out.size
+    return {"d1": d_out @ w2.T, "d2": d_out, "loss": scale * np.mean((out - y) ** 2)}
+
+
+def _run(model, method):
+    if method == "fit":
+        model.fit(X, Y, batch_size=len(X), epochs=1, shuffle=False, verbose=0)
+    elif method == "evaluate":
+        model.evaluate(X, Y, batch_size=len(X), verbose=0)
+    else:
+        getattr(model, method)(X, Y)
+
+
+def _mse_fn(model, y=Y):
+    """`(fn, args)` for `cs.intermediate_grads`: mse of `model` on X, in each
+    backend's style (JAX: a pure function of the weights and the inputs)."""
+    y = keras.ops.convert_to_tensor(y)
+    x = keras.ops.convert_to_tensor(X)
+    if BACKEND == "jax":
+        tv = [v.value for v in model.trainable_variables]
+        ntv = [v.value for v in model.non_trainable_variables]
+
+        def fn(tv, x):
+            y_pred, _ = model.stateless_call(tv, ntv, x)
+            return keras.ops.mean(keras.ops.square(y_pred - y))
+
+        return fn, (tv, x)
+    return (lambda x: keras.ops.mean(keras.ops.square(model(x) - y))), (x,)
+
+
+# --------------------------------------------------------------------------
+# 1. An empty selection: one clear ValueError
+# --------------------------------------------------------------------------
+@pytest.mark.parametrize("select, hint", [
+    ("nothing*", r"no point that `loss_fn` ran through matched \['nothing\*'\]"),
+    (["*d3"], r"no point that `loss_fn` ran through matched \['\*d3'\]"),
+    (lambda point, layer: False, "the `select` callable returned False for every point"),
+    (None, "no layer called `cs.sow` while `loss_fn` ran"),
+])
+def test_intermediate_grads_with_an_empty_selection_raises(select, hint):
+    model = _model()
+    fn, args = _mse_fn(model)
+    with pytest.raises(ValueError, match=hint) as error:
+        cs.intermediate_grads(model, fn, *args, select=select)
+    message = str(error.value)
+    assert message.startswith("cs.intermediate_grads differentiates the loss with respect "
+                              "to the selected points, and selected none")
+    assert "Use `cs.points(model, x)` to list every point" in message
+    assert "Nearest points: [" in message and "d1" in message and "d2" in message
+    expected = (select,) if isinstance(select, str) else tuple(select) if isinstance(
+        select, list) else select
+    assert message.endswith(f"Received: select={expected!r}")
+
+
+def test_intermediate_grads_whose_loss_runs_no_layer_of_the_model_raises():
+    model = _model()
+    x = keras.ops.convert_to_tensor(X)
+    with pytest.raises(ValueError, match=r"`loss_fn` ran no layer of `model`.*"
+                                         r"Received: select=\('\*d1',\)"):
+        cs.intermediate_grads(model, lambda x: keras.ops.sum(x ** 2), x, select="*d1")
+
+
+@pytest.mark.parametrize("run_eagerly", [False, True])
+@pytest.mark.parametrize("method", METHODS)
+def test_grad_capture_with_an_empty_selection_raises_the_capture_error(method, run_eagerly):
+    model = _model(run_eagerly=run_eagerly)
+    with pytest.raises(ValueError, match=r"^cs.capture selected nothing: no point matched "
+                                         r"\['nothing\*'\].*`cs.points\(model, x\)`.*"
+                                         r"Received: select=\('nothing\*',\)$"):
+        with cs.capture(model, "nothing*", kinds=("grad",)):
+            _run(model, method)
+
+
+# --------------------------------------------------------------------------
+# Custom steps, per backend (JAX: callscope's in-step grads need the stock step)
+# --------------------------------------------------------------------------
+def _custom_step_class(losses):
+    """A `cs.Sequential` whose train_step and test_step call `compute_loss`
+    `losses` times: the first call is the main loss, the others add half of it."""
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        class Custom(cs.Sequential):
+            def _loss(self, x, y):
+                y_pred = self(x, training=True)
+                loss = self.compute_loss(x=x, y=y, y_pred=y_pred)
+                for _ in range(losses - 1):
+                    loss = loss + 0.5 * self.compute_loss(x=x, y=y, y_pred=y_pred)
+                return loss
+
+            def train_step(self, data):
+                x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
+                with tf.GradientTape() as tape:
+                    loss = self._loss(x, y)
+                grads = tape.gradient(loss, self.trainable_weights)
+                self.optimizer.apply(grads, self.trainable_weights)
+                return {"loss": loss}
+
+            def test_step(self, data):
+                x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
+                return {"loss": self._loss(x, y)}
+
+    elif BACKEND == "torch":
+        import torch
+
+        class Custom(cs.Sequential):
+            def _loss(self, x, y):
+                y_pred = self(x, training=True)
+                loss = self.compute_loss(x=x, y=y, y_pred=y_pred)
+                for _ in range(losses - 1):
+                    loss = loss + 0.5 * self.compute_loss(x=x, y=y, y_pred=y_pred)
+                return loss
+
+            def train_step(self, data):
+                x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
+                loss = self._loss(x, y)
+                self.zero_grad()
+                loss.backward()
+                grads = [v.value.grad for v in self.trainable_weights]
+                with torch.no_grad():
+                    self.optimizer.apply(grads, self.trainable_weights)
+                return {"loss": loss}
+
+            def test_step(self, data):
+                x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
+                return {"loss": self._loss(x, y)}
+
+    else:
+        import jax
+
+        class Custom(cs.Sequential):
+            def _loss(self, tv, ntv, x, y):
+                y_pred, ntv = self.stateless_call(tv, ntv, x, training=True)
+                loss = self.compute_loss(x=x, y=y, y_pred=y_pred)
+                for _ in range(losses - 1):
+                    loss = loss + 0.5 * self.compute_loss(x=x, y=y, y_pred=y_pred)
+                return loss, ntv
+
+            def train_step(self, state, data):
+                tv, ntv, ov, mv = state
+                x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
+                grad_fn = jax.value_and_grad(self._loss, has_aux=True)
+                (loss, ntv), grads = grad_fn(tv, ntv, x, y)
+                tv, ov = self.optimizer.stateless_apply(ov, grads, tv)
+                return {"loss": loss}, (tv, ntv, ov, mv)
+
+            def test_step(self, state, data):
+                tv, ntv, mv = state
+                x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
+                loss, ntv = self._loss(tv, ntv, x, y)
+                return {"loss": loss}, (tv, ntv, mv)
+
+    return Custom
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_custom_step_that_calls_compute_loss_twice_raises(method):
+    model = _model(_custom_step_class(losses=2))
+    if BACKEND == "jax":  # the custom step is refused before it runs
+        kind = "train" if method in ("fit", "train_on_batch") else "test"
+        match = rf"overrides `{kind}_step`.*`cs.intermediate_grads\(model, loss_fn, ...\)`"
+    else:
+        match = (rf"^cs.capture\(kinds=\('grad',\)\) takes d loss / d point from the one "
+                 rf"loss .*{ONE_LOSS}.*single `self.compute_loss\(...\)` call.*"
+                 r"`cs.intermediate_grads\(model, loss_fn, ...\)`. Received: a second "
+                 r"compute_loss call in one step$")
+    with pytest.raises(ValueError, match=match):
+        with cs.capture(model, "*d2", kinds=("grad",)):
+            _run(model, method)
+    _run(model, method)  # without a grad capture, the step runs as written
+
+
+@pytest.mark.skipif(BACKEND == "jax", reason="JAX in-step grads need the stock steps")
+@pytest.mark.parametrize("run_eagerly", [False, True])
+@pytest.mark.parametrize("method", METHODS)
+def test_a_custom_step_that_calls_compute_loss_once_gets_its_gradients(method, run_eagerly):
+    model = _model(_custom_step_class(losses=1), run_eagerly=run_eagerly)
+    ref = _reference(model)
+    with cs.capture(model, ["*d1", "*d2"], kinds=("grad",)) as cap:
+        _run(model, method)
+    np.testing.assert_allclose(_one(cap, "d2:grad"), ref["d2"], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(_one(cap, "d1:grad"), ref["d1"], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.skipif(BACKEND == "jax", reason="JAX in-step grads need the stock steps")
+def test_a_custom_step_with_an_empty_selection_raises_the_capture_error():
+    model = _model(_custom_step_class(losses=1))
+    with pytest.raises(ValueError, match=r"^cs.capture selected nothing"):
+        with cs.capture(model, "nothing*", kinds=("grad",)):
+            model.train_on_batch(X, Y)
+
+
+class _Loss1p5(cs.Sequential):
+    """A `compute_loss` override that calls Keras's twice: 1.5 x mse."""
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        main = super().compute_loss(x, y, y_pred, sample_weight, training=training)
+        extra = super().compute_loss(x, y, y_pred, sample_weight, training=training)
+        return main + 0.5 * extra
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_the_stock_step_differentiates_the_loss_a_compute_loss_override_returns(method):
+    model = _model(_Loss1p5)
+    ref = _reference(model, scale=1.5)
+    with cs.capture(model, ["*d1", "*d2"], kinds=("grad",)) as cap:
+        _run(model, method)
+    np.testing.assert_allclose(_one(cap, "d2:grad"), ref["d2"], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(_one(cap, "d1:grad"), ref["d1"], rtol=1e-5, atol=1e-7)
+
+
+def test_intermediate_grads_differentiates_the_total_of_several_compute_loss_calls():
+    """The way out the error names: `cs.intermediate_grads` inside the step."""
+    model = _model()
+    x, y = keras.ops.convert_to_tensor(X), keras.ops.convert_to_tensor(Y)
+    ref = _reference(model, scale=1.5)
+    if BACKEND == "jax":
+        import jax
+
+        ntv = [v.value for v in model.non_trainable_variables]
+
+        def fn(tv, x):
+            y_pred, _ = model.stateless_call(tv, ntv, x)
+            main = model.compute_loss(x=x, y=y, y_pred=y_pred)
+            return main + 0.5 * model.compute_loss(x=x, y=y, y_pred=y_pred)
+
+        @jax.jit  # as inside a compiled train_step
+        def step(tv, x):
+            result = cs.intermediate_grads(model, fn, tv, x, select=["*d1", "*d2"])
+            return result.loss, result.grads
+
+        loss, grads = step([v.value for v in model.trainable_variables], x)
+    else:
+        def fn(x):
+            y_pred = model(x, training=True)
+            main = model.compute_loss(x=x, y=y, y_pred=y_pred)
+            return main + 0.5 * model.compute_loss(x=x, y=y, y_pred=y_pred)
+
+        result = cs.intermediate_grads(model, fn, x, select=["*d1", "*d2"])
+        loss, grads = result.loss, result.grads
+    assert float(numpy(loss)) == pytest.approx(ref["loss"], rel=1e-5)
+    np.testing.assert_allclose(_one(grads, "d2:grad"), ref["d2"], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(_one(grads, "d1:grad"), ref["d1"], rtol=1e-5, atol=1e-7)
+
+
+# --------------------------------------------------------------------------
+# Sources that are one tensor, and a constant source
+# --------------------------------------------------------------------------
+class Scale(keras.layers.Layer):
+    """Multiplies by a constant that it sows."""
+
+    def call(self, x):
+        return x * cs.sow(self, "c", keras.ops.convert_to_tensor(2.0))
+
+
+def _residual():
+    """d1 -> Identity -> + d2(d1): `ident` returns the very tensor d1 made."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((3,))
+    h = keras.layers.Dense(2, name="d1")(inputs)
+    i = keras.layers.Identity(name="ident")(Scale(name="scale")(h))
+    out = keras.layers.Add(name="add")([i, keras.layers.Dense(2, name="d2")(h)])
+    model = cs.Model(inputs, out, name="r")
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+    return model
+
+
+def _residual_reference(model, y):
+    w1, b1 = _weights(model, "d1")
+    w2, b2 = _weights(model, "d2")
+    h = X @ w1 + b1
+    out = 2.0 * h + h @ w2 + b2
+    d_out = 2 * (out - y) / out.size
+    return {"ident": d_out, "scale": d_out, "c": np.sum(d_out * h),
+            "d1": 2.0 * d_out + d_out @ w2.T}
+
+
+@pytest.mark.parametrize("how", ["train_on_batch", "intermediate_grads"])
+def test_a_layer_that_returns_its_input_is_a_source_of_its_own(how):
+    model = _residual()
+    y = rng.normal(size=(5, 2)).astype("float32")
+    ref = _residual_reference(model, y)
+    select = ["*d1", "*ident", "*scale", "*scale/c"]
+    if how == "train_on_batch":
+        with cs.capture(model, select, kinds=("grad",)) as cap:
+            model.train_on_batch(X, y)
+        grads = {key: cap[key] for key in cap}
+    else:
+        fn, args = _mse_fn(model, y)
+        grads = cs.intermediate_grads(model, fn, *args, select=select).grads
+    for name in ("d1", "ident", "scale"):
+        np.testing.assert_allclose(_one(grads, f"{name}:grad"), ref[name], rtol=1e-5,
+                                   atol=1e-7, err_msg=name)
+    assert float(_one(grads, "c:grad").reshape(())) == pytest.approx(ref["c"], rel=1e-5)
+
+
+# --------------------------------------------------------------------------
+# 3. `loss_fn` runs once per `cs.intermediate_grads`
+# --------------------------------------------------------------------------
+def _counted(fn):
+    calls = []
+
+    def counted(*args):
+        calls.append(1)
+        return fn(*args)
+
+    return counted, calls
+
+
+def test_intermediate_grads_runs_loss_fn_once_per_call():
+    model = _model()
+    fn, args = _mse_fn(model)
+    counted, calls = _counted(fn)
+    ref = _reference(model)
+    for n in range(1, 4):
+        result = cs.intermediate_grads(model, counted, *args, select=["*d1", "*d2"])
+        assert len(calls) == n
+    assert float(numpy(result.loss)) == pytest.approx(ref["loss"], rel=1e-5)
+    np.testing.assert_allclose(_one(result.grads, "d2:grad"), ref["d2"], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(_one(result.grads, "d1:grad"), ref["d1"], rtol=1e-5, atol=1e-7)
+
+
+def _jax_hand_written(model):
+    """d mse / d (d1 output), d (d2 output) by jax.grad of the written-out model."""
+    import jax
+    import jax.numpy as jnp
+
+    w1, b1 = _weights(model, "d1")
+    w2, b2 = _weights(model, "d2")
+    h = jnp.asarray(X) @ w1 + b1
+    out = h @ w2 + b2
+    from_out = lambda o: jnp.mean((o - Y) ** 2)  # noqa: E731
+    return {"d1": jax.grad(lambda h: from_out(h @ w2 + b2))(h), "d2": jax.grad(from_out)(out),
+            "out": out}
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="the one-trace path is JAX's")
+@pytest.mark.parametrize("compiled", [False, True])
+def test_jax_intermediate_grads_traces_loss_fn_once(compiled):
+    import jax
+
+    model = _model()
+    _, args = _mse_fn(model)
+    y = keras.ops.convert_to_tensor(Y)
+
+    def loss_fn(tv, x):  # returns (loss, aux)
+        calls.append(1)
+        y_pred, _ = model.stateless_call(tv, [], x)
+        return keras.ops.mean(keras.ops.square(y_pred - y)), y_pred
+
+    calls = []
+
+    def grads_of(tv, x):
+        result = cs.intermediate_grads(model, loss_fn, tv, x, select=["*d1", "*d2"])
+        return result.grads, result.outputs, result.aux
+
+    run = jax.jit(grads_of) if compiled else grads_of
+    for n in range(1, 4):
+        grads, outputs, aux = run(*args)
+        assert len(calls) == (1 if compiled else n)  # jit: one trace, then the cache
+    ref = _jax_hand_written(model)
+    np.testing.assert_allclose(_one(grads, "d1:grad"), ref["d1"], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(_one(grads, "d2:grad"), ref["d2"], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(numpy(aux), ref["out"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(_one(outputs, "d2:output"), ref["out"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="the one-trace path is JAX's")
+def test_jax_intermediate_grads_falls_back_to_a_second_run(monkeypatch):
+    from callscope._grads import jax as jax_grads
+
+    monkeypatch.setattr(jax_grads, "_as_inputs", lambda closed, kept: None)
+    model = _model()
+    fn, args = _mse_fn(model)
+    counted, calls = _counted(fn)
+    result = cs.intermediate_grads(model, counted, *args, select=["*d1", "*d2"])
+    assert len(calls) == 2
+    ref = _jax_hand_written(model)
+    np.testing.assert_allclose(_one(result.grads, "d1:grad"), ref["d1"], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(_one(result.grads, "d2:grad"), ref["d2"], rtol=1e-5, atol=1e-7)
