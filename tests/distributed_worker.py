@@ -64,6 +64,16 @@ def run(model):
         model.predict(X, batch_size=8, verbose=0)
     out["capture_predict"] = {k: v.tolist() for k, v in cap.items()}
     out["capture_stats"] = {k: float(v) for k, v in stats.items()}
+    # TF: 9 rows in batches of 4: the last batch has one row, so under two replicas
+    # one replica gets none; its partials must merge as no data. (JAX's
+    # DataParallel needs batches its devices divide: 12 rows in batches of 8.)
+    rows, batch = (9, 4) if ENGINE == "tensorflow" else (12, 8)
+    with cs.capture(model, "*/dense*", reduce=("mean", "std", "min", "max", "hist",
+                                               "nan_count"), bins=4) as uneven:
+        model.predict(X[:rows], batch_size=batch, verbose=0)
+    out["uneven_rows"] = rows
+    out["uneven_stats"] = {k: np.asarray(v).tolist() for k, v in uneven.items()}
+    out["uneven_edges"] = uneven.hist_edges("seq/dense:output/hist").tolist()
     try:
         with cs.capture(model, "*/dense*") as cap:
             model.fit(X, Y, epochs=1, batch_size=8, verbose=0, shuffle=False)

@@ -1,5 +1,5 @@
-"""Real architectures: MobileNetV2, ResNet50, a keras_hub BERT and GPT-2 backbone and
-an LSTM text model (tiny configs, no downloads).
+"""Real architectures: MobileNetV2, ResNet50, a keras_hub BERT backbone and an LSTM
+text model (tiny configs, no downloads).
 
 For each one: every point is unique and survives `save`/`load_model`; a capture of
 every point in `predict` (uneven last batch) matches stock Keras sub-models; and a
@@ -63,14 +63,6 @@ def _bert():
     return model, {"token_ids": tokens, "segment_ids": segments, "padding_mask": mask}
 
 
-def _gpt2():
-    model = keras_hub.models.GPT2Backbone(vocabulary_size=50, num_layers=2, num_heads=2,
-                                          hidden_dim=8, intermediate_dim=16,
-                                          max_sequence_length=12)
-    tokens, mask = _tokens(50, 12)
-    return model, {"token_ids": tokens, "padding_mask": mask}
-
-
 def _lstm_text():
     tokens = keras.Input((7,), dtype="int32", name="tokens")
     h = layers.Embedding(30, 6, mask_zero=True, name="emb")(tokens)
@@ -96,7 +88,6 @@ ARCHS = {
     "mobilenet_v2": Arch(_mobilenet_v2, "block_5_project_BN", ("block_5_add", "block_4_add")),
     "resnet50": Arch(_resnet50, "conv3_block2_3_bn", ("conv3_block2_add", "conv3_block1_out")),
     "bert": Arch(_bert, "transformer_layer_0"),
-    "gpt2": Arch(_gpt2, "transformer_layer_0"),
     "lstm_text": Arch(_lstm_text, "lstm"),
 }
 
@@ -137,7 +128,8 @@ def _keys(point, structure):
 
 def _assert_close(actual, expected, key):
     """rtol 1e-5, and atol 1e-5 of the value's own scale: with random weights the
-    deep activations of MobileNetV2 are ~1e-8, where a fixed atol compares nothing."""
+    deep activations of MobileNetV2 shrink to ~1e-11, where a fixed atol compares
+    nothing."""
     expected = np.asarray(expected)
     scale = float(np.abs(expected).max()) if expected.size else 0.0
     np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-5 * scale, err_msg=key)
@@ -185,6 +177,10 @@ def _baseline(arch):
 # --------------------------------------------------------------------------
 # a. Points are unique and survive saving
 # --------------------------------------------------------------------------
+def _snake(name):
+    return re.sub(r"(?<!^)(?=[A-Z][a-z])|(?<=[a-z0-9])(?=[A-Z])", "_", name).lower()
+
+
 def test_points_are_unique_and_survive_saving(arch, tmp_path):
     model, x = arch.cache["model"], arch.cache["x"]
     points = cs.points(model, x)
@@ -200,17 +196,27 @@ def test_points_are_unique_and_survive_saving(arch, tmp_path):
         parents = set(seen) if len(seen) == 1 else {p.rsplit("/", 1)[0] for p in seen}
         assert len(parents) == 1, (layer.name, sorted(seen))
         (point,) = parents
-        assert point == model.name or point.endswith("/" + layer.name), (point, layer.name)
+        # A layer is named by its `name`, unless Keras made the name up (a session
+        # counter, different after each load): then by where its parent holds it.
+        assert (point == model.name or point.endswith("/" + layer.name)
+                or re.fullmatch(_snake(type(layer).__name__) + r"(_\d+)?", layer.name)), \
+            (point, layer.name)
         own[point] = layer
     assert len(own) == len(by_layer)
     assert set(points) == set(own) | set(by_point)
     for layer in _top_level(model):
         assert own[f"{model.name}/{layer.name}"] is layer
 
+    # Saved, then loaded twice into this session (two checkpoints side by side). The
+    # first load follows conftest's `clear_session` (like a fresh process); the second
+    # finds the names Keras generates for unnamed sublayers taken by the first.
     model.save(tmp_path / "m.keras")
-    loaded = cs.enable(keras.saving.load_model(tmp_path / "m.keras"))
-    assert loaded.name == model.name
-    assert cs.points(loaded, x) == points
+    for _ in range(2):
+        loaded = cs.enable(keras.saving.load_model(tmp_path / "m.keras"))
+        assert loaded.name == model.name
+        again = cs.points(loaded, x)
+        assert sorted(set(again) ^ set(points)) == []  # the names differing, if any
+        assert again == points
 
 
 # --------------------------------------------------------------------------
@@ -240,11 +246,10 @@ def test_capture_of_every_point_matches_stock_keras(arch):
         _assert_close(cap[key], _at(out, path), key)
 
 
+@pytest.mark.parametrize("arch", ["bert"], indirect=True)
 def test_transformer_blocks_have_their_own_weightless_points(arch):
     """Inside the subclassed transformer blocks, each block's dropout layers (no
     weights, so no Keras path of their own) are points of that block, with its values."""
-    if arch.patch != "transformer_layer_0":
-        pytest.skip("not a transformer backbone")
     model, x = arch.cache["model"], arch.cache["x"]
     blocks = [f"{model.name}/transformer_layer_{i}" for i in range(2)]
     by_point, by_layer = _layers_of_points(model, x)
@@ -263,10 +268,9 @@ def test_transformer_blocks_have_their_own_weightless_points(arch):
         return sorted(re.sub(r"_\d+(?=/|$)", "", name) for name in names)
 
     assert shape_of(dropouts[0]) == shape_of(dropouts[1])
-    # The explicitly named ones are the same relative points in both blocks.
-    named = [{n for n, layer in found.items() if not re.search(r"_\d+$", layer.name)}
-             for found in dropouts]
-    assert named[0] == named[1] and len(named[0]) >= 2
+    # The block's own, explicitly named ones are the same relative points in both.
+    named = set(dropouts[0]) & set(dropouts[1])
+    assert len(named) >= 2, named
 
     # Each records its own block's values: in inference a dropout is the identity.
     with cs.capture(model, [b + "/*" for b in blocks], kinds=("input", "output")) as cap:
@@ -275,7 +279,7 @@ def test_transformer_blocks_have_their_own_weightless_points(arch):
         for name in found:
             point = f"{block}/{name}"
             np.testing.assert_array_equal(cap[f"{point}:output"], cap[f"{point}:input"])
-    for name in named[0]:
+    for name in named:
         first, second = (cap[f"{b}/{name}:output"] for b in blocks)
         assert first.shape == second.shape and _differs(first, second), name
 

@@ -40,6 +40,14 @@ def _assert_same_as_single_device(results):
         np.testing.assert_allclose(dist["capture_predict"][key], value, rtol=1e-5, atol=1e-6)
     for key, value in single["capture_stats"].items():
         assert dist["capture_stats"][key] == pytest.approx(value, rel=1e-5)
+    rows = single["uneven_rows"]
+    dense = np.asarray(single["capture_predict"]["seq/dense:output"])[:rows]  # same weights
+    assert dist["uneven_stats"]["seq/dense:output/mean"] == pytest.approx(dense.mean(),
+                                                                          rel=1e-5)
+    for key, value in single["uneven_stats"].items():
+        np.testing.assert_allclose(dist["uneven_stats"][key], value, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(dist["uneven_edges"], single["uneven_edges"], rtol=1e-6)
+    assert sum(dist["uneven_stats"]["seq/dense:output/hist"]) == rows
 
 
 @pytest.mark.skipif(BACKEND != "jax", reason="keras.distribution is JAX's engine")

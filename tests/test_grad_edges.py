@@ -227,6 +227,27 @@ def test_a_custom_step_that_calls_compute_loss_once_gets_its_gradients(method, r
     np.testing.assert_allclose(_one(cap, "d1:grad"), ref["d1"], rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_a_custom_step_differentiates_what_a_compute_loss_override_returns(method):
+    class Tripled(_custom_step_class(losses=1)):
+        def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None,
+                         training=True):
+            return 3.0 * super().compute_loss(x, y, y_pred, sample_weight, training=training)
+
+    model = _model(Tripled)
+    if BACKEND == "jax":  # the custom step is refused before it runs
+        kind = "train" if method in ("fit", "train_on_batch") else "test"
+        with pytest.raises(ValueError, match=rf"overrides `{kind}_step`"):
+            with cs.capture(model, "*d2", kinds=("grad",)):
+                _run(model, method)
+        return
+    ref = _reference(model, scale=3.0)
+    with cs.capture(model, ["*d1", "*d2"], kinds=("grad",)) as cap:
+        _run(model, method)
+    np.testing.assert_allclose(_one(cap, "d2:grad"), ref["d2"], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(_one(cap, "d1:grad"), ref["d1"], rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.skipif(BACKEND == "jax", reason="JAX in-step grads need the stock steps")
 def test_a_custom_step_with_an_empty_selection_raises_the_capture_error():
     model = _model(_custom_step_class(losses=1))

@@ -45,8 +45,7 @@ class CaptureMixin:
         specs = [s for s in specs if s.finds_ranges() and s.ranges.pending(call_kind)]
         if not specs:
             return
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(
-            _keras_compat.first_replica(self, data))
+        x, y, sample_weight = _keras_compat.whole_batch(self, data)
         training = call_kind == "train"
         probe = tuple(dataclasses.replace(s, stats=("min", "max"), hist_range=(("*", 0.0, 1.0),),
                                           ranges=None) for s in specs)

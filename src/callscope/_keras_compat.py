@@ -163,14 +163,16 @@ def peek_batch(args) -> tuple:
     return args[0][0], args, None  # a list of batches (torch; TF's predict)
 
 
-def first_replica(model, data):
-    """`data` as one replica sees it (a tf.distribute PerReplica value has one
-    part per replica)."""
+def whole_batch(model, data) -> tuple:
+    """`(x, y, sample_weight)` of the global batch `data` (a tf.distribute
+    PerReplica value holds one part per replica: they are put back together)."""
     strategy = getattr(model, "distribute_strategy", None)
-    if strategy is None or getattr(strategy, "num_replicas_in_sync", 1) <= 1:
-        return data
-    return keras.tree.map_structure(
-        lambda v: strategy.experimental_local_results(v)[0], data)
+    if strategy is not None and getattr(strategy, "num_replicas_in_sync", 1) > 1:
+        data = keras.tree.map_structure(
+            lambda v: keras.ops.concatenate(
+                [keras.ops.convert_to_tensor(p) for p in strategy.experimental_local_results(v)
+                 if p.shape[0] != 0], axis=0), data)
+    return keras.utils.unpack_x_y_sample_weight(data)
 
 
 def state_mapping(model, state) -> list:
@@ -461,6 +463,51 @@ def mark_torch_loops() -> None:
         setattr(core, name, counted)
 
 
+def is_graph_model(layer) -> bool:
+    """A Functional or Sequential model: its layers' names are part of its config,
+    so they come back the same from `load_model` (keras 3.15.1:
+    models/functional.py, models/sequential.py)."""
+    from keras.src.models.functional import Functional
+
+    return isinstance(layer, Functional | keras.Sequential)
+
+
+def has_automatic_name(layer) -> bool:
+    """Is `layer.name` what Keras makes up for an unnamed layer: its class in
+    snake case, with `_<n>` from a per-session counter (keras 3.15.1:
+    layers/layer.py `auto_name`, utils/naming.py `to_snake_case`, `uniquify`)?"""
+    from keras.src.utils.naming import to_snake_case
+
+    base = to_snake_case(type(layer).__name__)
+    name = layer.name
+    return name == base or (name.startswith(base + "_") and name[len(base) + 1:].isdigit())
+
+
+# Registries of sublayers that are not the user's attributes: Keras's own, torch's
+# `nn.Module` ones (keras 3.15.1 torch layers are modules), TF's `_self_*` tracking.
+_REGISTRIES = ("_layers", "_tracker", "_modules", "_parameters", "_buffers")
+
+
+def attribute_name(parent, child) -> str | None:
+    """The attribute under which `parent` holds `child` (`attr`, or `attr_<i>` in a
+    list, tuple or dict), leading underscores dropped; None if it holds it in
+    none. A direct attribute wins over a container."""
+    attributes = [(attr, value) for attr, value in vars(parent).items()
+                  if attr not in _REGISTRIES and not attr.startswith("_self_")]
+    # torch keeps a module's sublayers in `_modules`, keyed by attribute name.
+    attributes += list(vars(parent).get("_modules", {}).items())
+    for attr, value in attributes:
+        if value is child:
+            return attr.lstrip("_") or attr
+    for attr, value in attributes:
+        items = (value.items() if isinstance(value, dict)
+                 else enumerate(value) if isinstance(value, list | tuple) else ())
+        for key, item in items:
+            if item is child:
+                return f"{attr.lstrip('_') or attr}_{key}"
+    return None
+
+
 def child_layers(layer):
     """The layers `layer` tracks directly, InputLayers left out (keras 3.15.1:
     layers/layer.py:1708)."""
@@ -586,11 +633,21 @@ class LossHook:
 
     Keras's default steps call the private `_compute_loss`, which wraps a user's
     `compute_loss` override, so the loss seen here is the final one; custom steps
-    usually call the public `compute_loss`, hooked too (once per loss). The model
-    class provides `_cs_loss_hook(loss) -> loss`.
+    usually call the public `compute_loss`, hooked too (once per loss). A
+    subclass's own `compute_loss` (above this class in the MRO, e.g. `3 * super()`)
+    is wrapped when the class is made, so the hook sees the loss the outermost
+    override returns, never the one its `super()` call returns. The model class
+    provides `_cs_loss_hook(loss) -> loss`. (keras 3.15.1: trainers/trainer.py,
+    `_compute_loss` calls `compute_loss`.)
     """
 
     _in_loss_hook = 0
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        own = cls.__dict__.get("compute_loss")
+        if own is not None and not getattr(own, "_callscope_hooked", False):
+            cls.compute_loss = _hooked_compute_loss(own)
 
     def _compute_loss(self, *args, **kwargs):
         self.__dict__["_in_loss_hook"] = self._in_loss_hook + 1
@@ -603,3 +660,19 @@ class LossHook:
     def compute_loss(self, *args, **kwargs):
         loss = super().compute_loss(*args, **kwargs)
         return loss if self._in_loss_hook else self._cs_loss_hook(loss)
+
+
+def _hooked_compute_loss(own):
+    """A subclass's `compute_loss`, hooked at its outermost call only."""
+
+    @functools.wraps(own)
+    def compute_loss(self, *args, **kwargs):
+        self.__dict__["_in_loss_hook"] = self._in_loss_hook + 1
+        try:
+            loss = own(self, *args, **kwargs)
+        finally:
+            self.__dict__["_in_loss_hook"] -= 1
+        return loss if self._in_loss_hook else self._cs_loss_hook(loss)
+
+    compute_loss._callscope_hooked = True
+    return compute_loss

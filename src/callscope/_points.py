@@ -33,20 +33,39 @@ def loop_points(model) -> dict[str, str]:
     return {point: loop for point, loop in walk_tree(model) if loop is not None}
 
 
+def local_name(parent, child) -> str:
+    """`child`'s own part of its point, under `parent`: its `name`, unless that is
+    one Keras made up (`softmax_3`: a session-wide counter, different after
+    every load) in a subclassed parent; then the attribute the parent holds it
+    under (`_softmax` -> `softmax`), else its class name in snake case (a second
+    such layer gets `#1` by call order). Layers of a Functional or Sequential
+    model keep their names: the model's config holds them."""
+    from callscope import _keras_compat
+
+    if parent is None or _keras_compat.is_graph_model(parent) \
+            or not _keras_compat.has_automatic_name(child):
+        return child.name
+    attribute = _keras_compat.attribute_name(parent, child)
+    if attribute is not None:
+        return attribute
+    name = child.name
+    base = name.rstrip("0123456789")
+    return base[:-1] if base.endswith("_") and base != name else name
+
+
 def walk_tree(model):
     """(point, the point of the RNN it runs inside or None) of every tracked layer."""
     import keras
 
     from callscope import _keras_compat
 
-    def walk(layer, parent, loop):
-        point = f"{parent}/{layer.name}" if parent else layer.name
+    def walk(layer, point, loop):
         yield point, loop
         inner = point if loop is None and isinstance(layer, keras.layers.RNN) else loop
         for child in _keras_compat.child_layers(layer):
-            yield from walk(child, point, inner)
+            yield from walk(child, f"{point}/{local_name(layer, child)}", inner)
 
-    yield from walk(model, "", None)
+    yield from walk(model, model.name, None)
 
 
 def key_name(point: str, kind: str, index: int, count: int) -> str:

@@ -33,7 +33,7 @@ import numpy as np
 from keras import ops
 
 from callscope import _backend, _keras_compat, _reduce
-from callscope._points import Spec, key_name
+from callscope._points import Spec, key_name, local_name
 
 SOWN = "__callscope_sown__"
 OUTPUTS = "__callscope_outputs__"
@@ -58,7 +58,7 @@ class LoopPointError(ValueError):
     >>> model = cs.Sequential([keras.Input((3, 2)), keras.layers.SimpleRNN(2, name="rnn")],
     ...                       name="m")
     >>> try:
-    ...     with cs.capture(model, "m/rnn/simple_rnn_cell"):
+    ...     with cs.capture(model, "m/rnn/cell"):
     ...         _ = model.predict(np.ones((1, 3, 2)), verbose=0)
     ... except cs.LoopPointError:
     ...     print("capture m/rnn instead")
@@ -101,10 +101,11 @@ class Collector:
         self.on_grad_source = _differentiable_source()
 
     # -- naming ------------------------------------------------------------
-    def name(self, layer) -> str:
-        """The point of `layer` called now: its caller's point, `/`, its name."""
+    def name(self, layer, local: str | None = None) -> str:
+        """The point of `layer` called now: its caller's point, `/`, its own name
+        (`local`, see `_points.local_name`; the root: the model's name)."""
         parent = self.stack[-1].point if self.stack else ""
-        base = point = f"{parent}/{layer.name}" if parent else layer.name
+        base = point = f"{parent}/{local or layer.name}" if parent else layer.name
         n = 0
         while self.owners.setdefault(point, id(layer)) != id(layer):
             n += 1
@@ -396,13 +397,17 @@ def install_wrappers(model) -> None:
     """
     if _TORCH:
         _keras_compat.mark_torch_loops()
-    for layer in _keras_compat.flatten_layers(model):
-        if isinstance(layer, keras.layers.InputLayer):
+    for parent in _keras_compat.flatten_layers(model):
+        if isinstance(parent, keras.layers.InputLayer):
             continue
-        for name in ("call", "quantized_call"):
-            if not isinstance(_keras_compat.get_instance_attribute(layer, name), RecordingCall):
-                _keras_compat.set_instance_call(layer, RecordingCall(layer, getattr(layer, name)),
-                                                name)
+        for layer in [parent, *_keras_compat.child_layers(parent)]:
+            for name in ("call", "quantized_call"):
+                wrapper = _keras_compat.get_instance_attribute(layer, name)
+                if not isinstance(wrapper, RecordingCall):
+                    wrapper = RecordingCall(layer, getattr(layer, name))
+                    _keras_compat.set_instance_call(layer, wrapper, name)
+                if layer is not parent and wrapper.local is None:  # named by its holder
+                    wrapper.local = local_name(parent, layer)
 
 
 class RecordingCall:
@@ -411,6 +416,7 @@ class RecordingCall:
     def __init__(self, layer, original):
         self.layer = layer
         self.__wrapped__ = original
+        self.local = None  # its own part of its point (`_points.local_name`)
         self._parameters = None
 
     @property
@@ -425,7 +431,7 @@ class RecordingCall:
         layer = self.layer
         if collector.stack and collector.stack[-1].layer is layer:  # call <-> quantized_call
             return original(*args, **kwargs)
-        point = collector.name(layer)
+        point = collector.name(layer, self.local)
         patches = _ACTIVE_PATCHES.get()
         marker = _backend.trace_marker()
         depth = len(collector.stack)
