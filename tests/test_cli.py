@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import keras
@@ -12,13 +13,25 @@ import numpy as np
 import pytest
 from conftest import BACKEND
 
+import callscope as cs
+
 SCRIPT = Path(sys.executable).with_name("callscope")
 
 
-def run(*args, cwd=None):
-    env = {**os.environ, "KERAS_BACKEND": BACKEND}
+def _env(extra=None):
+    """This process's environment (PYTHONPATH included, so the script imports the
+    callscope these tests import) on this backend, plus `extra`."""
+    return {**os.environ, "KERAS_BACKEND": BACKEND, **(extra or {})}
+
+
+def run(*args, cwd=None, env=None):
     return subprocess.run([str(SCRIPT), *map(str, args)], capture_output=True, text=True,
-                          env=env, cwd=cwd, timeout=600)
+                          env=_env(env), cwd=cwd, timeout=600)
+
+
+# TensorFlow's C++ runtime logs to stderr when it is imported, which `import callscope`
+# does before any of the command's code runs: quiet it to count callscope's own lines.
+QUIET_TF = {"TF_CPP_MIN_LOG_LEVEL": "3", "TF_ENABLE_ONEDNN_OPTS": "0"}
 
 
 @pytest.fixture
@@ -100,11 +113,47 @@ def test_inspect_input_errors_are_one_line_with_exit_1(saved, tmp_path):
                     "no such data file")
 
 
-def test_usage_errors_exit_2(saved, tmp_path):
+def usage(*args):
+    return run(*args, env=QUIET_TF)
+
+
+def _usage_error(proc, *needles):
+    """Exit code 2 and exactly one line on stderr (no usage block, no traceback)."""
+    lines = proc.stderr.splitlines()
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    assert len(lines) == 1 and lines[0].strip() and "Traceback" not in proc.stderr, proc.stderr
+    assert lines[0].startswith("callscope: error: ") and lines[0].endswith("--help)"), lines[0]
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+def test_usage_errors_are_one_line_with_exit_2(saved, tmp_path):
     _, path, _ = saved
-    proc = run("inspect", path, "--data", tmp_path / "x.npy", "--reduce", "median")
-    assert proc.returncode == 2 and "--reduce" in proc.stderr and "Traceback" not in proc.stderr
-    assert run("frobnicate").returncode == 2
+    data = tmp_path / "x.npy"
+    _usage_error(usage("inspect", path, "--data", data, "--reduce", "median"), "--reduce",
+                 "'median'")
+    line = _usage_error(usage("frobnicate"), "(see callscope --help)")
+    assert line.startswith("callscope: error: argument command: invalid choice: 'frobnicate'")
+    assert _usage_error(usage("inspect", path)) == (
+        "callscope: error: the following arguments are required: --data "
+        "(see callscope inspect --help)")
+    _usage_error(usage("inspect", path, "--data", data, "--batch-size", "many"), "--batch-size",
+                 "expected a positive integer, got 'many'")
+    _usage_error(usage("inspect", path, "--data", data, "--kinds", "grad"), "--kinds")
+    _usage_error(usage(), "required: command")
+    helped = usage("inspect", "--help")
+    assert helped.returncode == 0 and helped.stdout.startswith("usage: callscope inspect")
+    assert "--data" in helped.stdout and not helped.stderr
+
+
+def test_the_script_runs_this_checkout():
+    # The script's interpreter, in the environment `run` gives it, imports the
+    # callscope these tests import (not another checkout's editable install).
+    python = SCRIPT.read_text().splitlines()[0].removeprefix("#!")
+    proc = subprocess.run([python, "-c", "import callscope; print(callscope.__file__)"],
+                          capture_output=True, text=True, timeout=600, env=_env())
+    assert Path(proc.stdout.strip()).resolve() == Path(cs.__file__).resolve()
 
 
 def test_untrusted_lambda_needs_unsafe(tmp_path):
@@ -117,3 +166,143 @@ def test_untrusted_lambda_needs_unsafe(tmp_path):
     proc = run("inspect", path, "--data", tmp_path / "x.npy", "--unsafe", "--json")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(proc.stdout)["lam/lambda:output/mean"] == pytest.approx(2.0)
+
+
+# --------------------------------------------------------------------------
+# Models with several inputs, RNNs, quantized models
+# --------------------------------------------------------------------------
+STATS = ("mean", "std", "min", "max", "frac_zero")
+
+
+def _in_process(path, data, batch_size, **load):
+    """What an in-process capture of the saved model gives on the same data."""
+    loaded = cs.enable(keras.saving.load_model(path, **load))
+    with cs.capture(loaded, "*", reduce=STATS) as cap:
+        loaded.predict(data, batch_size=batch_size, verbose=0)
+    return {key: float(cap[key]) for key in cap}
+
+
+def _assert_same_as_in_process(cli, in_process):
+    assert sorted(cli) == sorted(in_process)
+    for key, value in in_process.items():
+        assert cli[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+
+
+@pytest.fixture(params=["list", "dict"])
+def two_inputs(request, tmp_path):
+    """`two`: inputs `left` (3 features) and `right` (2), as a list or a dict of inputs."""
+    left, right = keras.Input((3,), name="left"), keras.Input((2,), name="right")
+    hidden = keras.layers.Dense(4, activation="relu", name="hidden")(
+        keras.layers.Concatenate(name="cat")([left, right]))
+    inputs = [left, right] if request.param == "list" else {"left": left, "right": right}
+    model = keras.Model(inputs, keras.layers.Dense(1, name="out")(hidden), name="two")
+    path = tmp_path / "two.keras"
+    model.save(path)
+    rng = np.random.default_rng(1)
+    arrays = {"left": rng.normal(size=(40, 3)).astype("float32"),
+              "right": rng.normal(size=(40, 2)).astype("float32")}
+    np.savez(tmp_path / "data.npz", right=arrays["right"], left=arrays["left"])  # any order
+    data = [arrays["left"], arrays["right"]] if request.param == "list" else arrays
+    return model, path, arrays, data
+
+
+def test_inspect_takes_one_array_per_input_from_npz(two_inputs, tmp_path):
+    model, path, arrays, data = two_inputs
+    proc = run("inspect", path, "--data", tmp_path / "data.npz", "--json",
+               "--batch-size", 16)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    stats = json.loads(proc.stdout)
+    kernel, bias = model.get_layer("hidden").get_weights()
+    joined = np.concatenate([arrays["left"], arrays["right"]], axis=1)
+    hidden = np.maximum(joined @ kernel + bias, 0)
+    assert stats["two/hidden:output/mean"] == pytest.approx(hidden.mean(), rel=1e-5)
+    assert stats["two/hidden:output/std"] == pytest.approx(hidden.std(), rel=1e-4)
+    assert stats["two/hidden:output/max"] == pytest.approx(hidden.max(), rel=1e-5)
+    assert stats["two/hidden:output/frac_zero"] == pytest.approx((hidden == 0).mean())
+    assert stats["two/cat:output/mean"] == pytest.approx(joined.mean(), rel=1e-5)
+    _assert_same_as_in_process(stats, _in_process(path, data, 16))
+    assert {key.partition(":")[0] for key in stats} == {"two", "two/cat", "two/hidden",
+                                                         "two/out"}
+
+
+def test_inspect_data_errors_name_the_inputs(two_inputs, tmp_path):
+    _, path, arrays, _ = two_inputs
+    wrong = tmp_path / "wrong.npz"
+    np.savez(wrong, a=arrays["left"], b=arrays["right"])
+    _one_line_error(run("inspect", path, "--data", wrong), 1)
+    assert run("inspect", path, "--data", wrong).stderr.strip().splitlines()[-1] == (
+        f"callscope: error: {wrong} holds arrays ['a', 'b'], but the model takes inputs "
+        "['left', 'right']: save one array per input, named after it "
+        "(np.savez(path, left=..., right=...))")
+    one = tmp_path / "one.npy"
+    np.save(one, arrays["left"])
+    _one_line_error(run("inspect", path, "--data", one), 1,
+                    f"{one} holds one array, but the model takes inputs ['left', 'right']")
+    short = tmp_path / "short.npz"
+    np.savez(short, left=arrays["left"], right=arrays["right"][:7])
+    _one_line_error(run("inspect", path, "--data", short), 1,
+                    f"the arrays in {short} have different numbers of rows (left has 40, "
+                    "right has 7); every input needs one row per example")
+    wide = tmp_path / "wide.npz"
+    np.savez(wide, left=arrays["left"], right=np.ones((40, 5), "float32"))
+    _one_line_error(run("inspect", path, "--data", wide), 1,
+                    f"array 'right' in {wide} has examples of shape (5,), but the model's "
+                    "input 'right' takes (2,) (shape of the whole array: (40, 5)); reshape "
+                    "it to (N, 2)")
+
+
+def test_inspect_one_input_from_npz(saved, tmp_path):
+    _, path, x = saved
+    name = keras.saving.load_model(path).inputs[0].name  # the file's name for the input
+    expected = json.loads(run("inspect", path, "--data", tmp_path / "x.npy", "--json").stdout)
+    for arrays in ({name: x, "labels": np.zeros(40)}, {"x": x, "labels": np.zeros(40)},
+                   {"anything": x}):
+        np.savez(tmp_path / "one.npz", **arrays)
+        proc = run("inspect", path, "--data", tmp_path / "one.npz", "--json")
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert json.loads(proc.stdout) == pytest.approx(expected)
+    np.savez(tmp_path / "two.npz", a=x, b=x)
+    _one_line_error(run("inspect", path, "--data", tmp_path / "two.npz"), 1,
+                    f"{tmp_path / 'two.npz'} holds arrays ['a', 'b'], but none is named x or "
+                    f"{name}")
+
+
+def _rnn():
+    return keras.Sequential([keras.Input((6,), dtype="int32"),
+                             keras.layers.Embedding(20, 4, name="embed"),
+                             keras.layers.LSTM(5, return_sequences=True, name="lstm"),
+                             keras.layers.SimpleRNN(3, name="rnn"),
+                             keras.layers.Dense(2, name="out")], name="seq")
+
+
+def _quantized():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(5, name="hidden"),
+                              keras.layers.Dense(2, name="out")], name="seq")
+    with warnings.catch_warnings():  # Keras warns that the InputLayer cannot quantize
+        warnings.simplefilter("ignore")
+        model.quantize("int8")
+    return model
+
+
+@pytest.mark.parametrize("build, points", [
+    (_rnn, {"seq", "seq/embed", "seq/lstm", "seq/rnn", "seq/out"}),
+    (_quantized, {"seq", "seq/hidden", "seq/out"}),
+], ids=["rnn", "quantized"])
+def test_inspect_rnn_and_quantized_models(build, points, tmp_path):
+    model = build()
+    path = tmp_path / "model.keras"
+    model.save(path)
+    rng = np.random.default_rng(2)
+    if model.inputs[0].dtype == "int32":
+        data = rng.integers(0, 20, size=(24, 6)).astype("int32")
+    else:
+        data = rng.normal(size=(24, 4)).astype("float32")
+    np.save(tmp_path / "data.npy", data)
+    proc = run("inspect", path, "--data", tmp_path / "data.npy", "--json", "--batch-size", 10)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    stats = json.loads(proc.stdout)
+    # The cells inside the RNNs' loops are not points: only the layers the model calls.
+    assert {key.partition(":")[0] for key in stats} == points
+    _assert_same_as_in_process(stats, _in_process(path, data, 10))
+    expected = model.predict(data, verbose=0)
+    assert stats["seq/out:output/mean"] == pytest.approx(expected.mean(), rel=1e-4, abs=1e-6)

@@ -5,6 +5,10 @@
                       [--kinds output,input] [--batch-size N] [--out DIR] [--json]
                       [--unsafe] [--overwrite]
 
+`--data` is a .npy (one input), or an .npz: for a model with several inputs, one
+array per input, named after it (`np.savez(path, left=..., right=...)`); for one
+input, an array named `x`, named after the input, or the only array.
+
 Exit codes: 0 success, 1 an input error (a missing or unreadable file, a shape
 that does not fit), 2 a usage error. Errors are one line on stderr, never a
 traceback.
@@ -26,8 +30,17 @@ class InputError(Exception):
     """A problem with the user's files or data: exit code 1, one line."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with usage errors as one line on stderr (exit code 2) instead of a
+    usage block followed by the error. Subcommands' parsers are of this class too."""
+
+    def error(self, message):
+        message = " ".join(str(message).split())
+        self.exit(2, f"callscope: error: {message} (see {self.prog} --help)\n")
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="callscope", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="callscope", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
 
     demo = commands.add_parser("demo", help="train a small model and report what happens "
@@ -37,7 +50,9 @@ def main(argv=None) -> int:
 
     inspect = commands.add_parser("inspect", help="statistics of every point of a saved model")
     inspect.add_argument("model", help="a .keras file")
-    inspect.add_argument("--data", required=True, help="input data, .npy or .npz")
+    inspect.add_argument("--data", required=True,
+                         help="input data: .npy, or .npz with one array per input, named "
+                              "after it")
     inspect.add_argument("--select", default="*", help="glob of points (default: all)")
     inspect.add_argument("--reduce", default=DEFAULT_STATS, help="statistics, comma-separated")
     inspect.add_argument("--kinds", default="output", help="output and/or input")
@@ -50,7 +65,7 @@ def main(argv=None) -> int:
     inspect.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     args = parser.parse_args(argv)
     if args.command == "inspect":
-        _check_choices(parser, args)
+        _check_choices(inspect, args)
     try:
         if args.command == "demo":
             from callscope._demo import run_demo
@@ -65,9 +80,12 @@ def main(argv=None) -> int:
 
 
 def _positive(text):
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
     return value
 
 
@@ -112,7 +130,39 @@ def _load_model(path, unsafe):
     return cs.enable(model)
 
 
-def _load_data(path):
+def _model_inputs(model):
+    """What the model takes: `(layout, {name: shape without the batch axis})`.
+
+    `layout` is `"dict"` (a Functional model built on a dict of inputs, keyed by
+    name: keras_hub backbones), `"list"` (a list of inputs, passed as a list in the
+    model's order; names are the `Input`s' names) or `"single"`. A model that does
+    not say what it takes (a subclassed model) is `("single", {})`: one array, any
+    shape.
+    """
+    try:
+        struct = model.input
+    except Exception:  # a Sequential or subclassed model that was never called
+        struct = None
+    if isinstance(struct, dict) and all(hasattr(t, "shape") for t in struct.values()):
+        return "dict", {name: tuple(t.shape)[1:] for name, t in struct.items()}
+    try:
+        inputs = list(model.inputs or ())
+    except Exception:
+        inputs = []
+    shapes = {t.name: tuple(t.shape)[1:] for t in inputs}
+    if not inputs or len(shapes) != len(inputs):
+        return "single", {}
+    # A list of inputs (one input in a list too: Keras warns when it gets a bare array).
+    return ("list" if len(inputs) > 1 or isinstance(struct, (list, tuple)) else "single"), shapes
+
+
+def _npz_hint(names):
+    return f"np.savez(path, {', '.join(f'{n}=...' for n in names)})"
+
+
+def _load_data(path, names):
+    """`{input name: array}` for the inputs `names` (in the model's order); one
+    array under the key None when the model does not name its inputs."""
     if not os.path.exists(path):
         raise InputError(f"no such data file: {path} (check the path)")
     try:
@@ -120,28 +170,83 @@ def _load_data(path):
     except Exception as error:
         raise InputError(f"{path} is not a .npy or .npz file: {_first_line(str(error))}") from None
     if isinstance(data, np.lib.npyio.NpzFile):
-        names = data.files
-        if not names:
-            raise InputError(f"{path} holds no arrays")
-        name = "x" if "x" in names else names[0]
-        data = data[name]
-    if data.ndim < 1 or len(data) == 0:
-        raise InputError(f"{path} holds an empty array; give at least one example")
-    return data
-
-
-def _check_shape(model, data, path):
-    inputs = getattr(model, "inputs", None)
-    if not inputs or len(inputs) != 1:
-        return
-    expected = tuple(inputs[0].shape)[1:]
-    got = data.shape[1:]
-    if len(expected) != len(got) or any(e is not None and e != g for e, g in zip(expected, got)):
+        with data:
+            arrays = _pick_arrays(data, path, names)
+    elif len(names) > 1:
         raise InputError(
-            f"data in {path} has examples of shape {got}, but the model takes "
-            f"{expected} (shape of the whole array: {data.shape}); reshape the data to "
-            f"(N, {', '.join(str(e) for e in expected)})"
+            f"{path} holds one array, but the model takes inputs {names}: save one array "
+            f"per input in an .npz, named after it ({_npz_hint(names)})"
         )
+    else:
+        arrays = {names[0] if names else None: data}
+    for name, array in arrays.items():
+        if array.ndim < 1 or len(array) == 0:
+            which = f"an empty array {name!r}" if len(arrays) > 1 else "an empty array"
+            raise InputError(f"{path} holds {which}; give at least one example")
+    rows = {name: len(array) for name, array in arrays.items()}
+    if len(set(rows.values())) > 1:
+        counts = ", ".join(f"{name} has {n}" for name, n in rows.items())
+        raise InputError(f"the arrays in {path} have different numbers of rows ({counts}); "
+                         "every input needs one row per example")
+    return arrays
+
+
+def _pick_arrays(npz, path, names):
+    held = list(npz.files)
+    if not held:
+        raise InputError(f"{path} holds no arrays")
+    if len(names) > 1:
+        if all(name in held for name in names):
+            return {name: npz[name] for name in names}
+        raise InputError(
+            f"{path} holds arrays {held}, but the model takes inputs {names}: save one "
+            f"array per input, named after it ({_npz_hint(names)})"
+        )
+    # One input: an array named after it, else `x`, else the only array.
+    for candidate in (*names, "x"):
+        if candidate in held:
+            return {names[0] if names else None: npz[candidate]}
+    if len(held) == 1:
+        return {names[0] if names else None: npz[held[0]]}
+    expected = ["x", *names] if names else ["x"]
+    raise InputError(
+        f"{path} holds arrays {held}, but none is named {' or '.join(expected)}: save the "
+        f"input as x ({_npz_hint(['x'])}), or as a .npy"
+    )
+
+
+def _check_shape(shapes, arrays, path):
+    """Every array's examples have the shape of its input (None matches any size)."""
+    for name, data in arrays.items():
+        if name not in shapes:
+            continue
+        expected = shapes[name]
+        got = data.shape[1:]
+        if len(expected) == len(got) and all(e is None or e == g
+                                             for e, g in zip(expected, got)):
+            continue
+        wanted = f"(N, {', '.join(str(e) for e in expected)})" if expected else "(N,)"
+        if len(shapes) == 1:
+            raise InputError(
+                f"data in {path} has examples of shape {got}, but the model takes "
+                f"{expected} (shape of the whole array: {data.shape}); reshape the data "
+                f"to {wanted}"
+            )
+        raise InputError(
+            f"array {name!r} in {path} has examples of shape {got}, but the model's input "
+            f"{name!r} takes {expected} (shape of the whole array: {data.shape}); reshape "
+            f"it to {wanted}"
+        )
+
+
+def _model_data(layout, arrays, rows=None):
+    """The arrays (their first `rows` rows) as the model takes them."""
+    cut = {name: array[:rows] for name, array in arrays.items()}
+    if layout == "dict":
+        return cut
+    if layout == "list":
+        return list(cut.values())
+    return next(iter(cut.values()))
 
 
 def _prepare_out(out, overwrite):
@@ -162,13 +267,15 @@ def run_inspect(args):
     from callscope import report
 
     model = _load_model(args.model, args.unsafe)
-    data = _load_data(args.data)
-    _check_shape(model, data, args.data)
+    layout, shapes = _model_inputs(model)
+    arrays = _load_data(args.data, list(shapes))
+    _check_shape(shapes, arrays, args.data)
+    data = _model_data(layout, arrays)
     if args.out:
         _prepare_out(args.out, args.overwrite)
     stats_names = tuple(args.reduce.split(","))
     kinds = tuple(args.kinds.split(","))
-    sample = data[: args.batch_size]
+    sample = _model_data(layout, arrays, args.batch_size)
     try:
         tree = cs.summary(model, sample, print_fn=lambda s: None)
         with cs.capture(model, args.select, kinds=kinds, reduce=stats_names) as stats:
