@@ -139,7 +139,8 @@ def test_class_weights_equal_the_matching_sample_weights():
     weights = np.array([class_weight[c] for c in labels], "float32")
     with cs.capture(model, "*/hidden", kinds=("grad",)) as by_sample:
         model.fit(X, labels, sample_weight=weights, batch_size=6, shuffle=False, verbose=0)
-    np.testing.assert_allclose(by_class["functional/hidden:grad"], by_sample["functional/hidden:grad"], rtol=1e-6)
+    np.testing.assert_allclose(by_class["functional/hidden:grad"],
+                               by_sample["functional/hidden:grad"], rtol=1e-6)
     assert np.abs(by_class["functional/hidden:grad"]).max() > 0
 
 
