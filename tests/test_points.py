@@ -217,12 +217,12 @@ def test_rnn_model_captures_every_point_and_refuses_the_cell():
     np.testing.assert_allclose(cap["text/lstm:output"], lstm, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(cap["text/rnn:output"], rnn, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(cap["text:output"], out)
-    with pytest.raises(cs.LoopPointError, match="text/lstm/cell.*inside a loop body.*"
+    with pytest.raises(cs.LoopPointError, match="text/lstm/lstm_cell.*inside a loop body.*"
                                                 "Capture or patch `text/lstm`"):
-        with cs.capture(model, "text/lstm/cell"):
+        with cs.capture(model, "text/lstm/lstm_cell"):
             model.predict(tokens, verbose=0)
-    with pytest.raises(cs.LoopPointError, match="text/rnn/cell"):
-        with cs.patch(model, {"text/rnn/cell": keras.ops.zeros_like}):
+    with pytest.raises(cs.LoopPointError, match="text/rnn/simple_rnn_cell"):
+        with cs.patch(model, {"text/rnn/simple_rnn_cell": keras.ops.zeros_like}):
             model.predict(tokens, verbose=0)
     with cs.patch(model, {"text/lstm": keras.ops.zeros_like}):  # the RNN itself patches
         patched = model.predict(tokens, verbose=0)

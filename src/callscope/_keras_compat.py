@@ -473,14 +473,26 @@ def is_graph_model(layer) -> bool:
 
 
 def has_automatic_name(layer) -> bool:
-    """Is `layer.name` what Keras makes up for an unnamed layer: its class in
-    snake case, with `_<n>` from a per-session counter (keras 3.15.1:
-    layers/layer.py `auto_name`, utils/naming.py `to_snake_case`, `uniquify`)?"""
+    """Is `layer.name` one that Keras made up for an unnamed layer? Keras names
+    the n-th unnamed layer of a class `<snake case class>` (n = 0) or
+    `<snake case class>_<n>`, from a per-session counter (keras 3.15.1:
+    utils/naming.py `auto_name`, `uniquify`; backend/common/global_state.py).
+    A name the counter has not issued (`block_0`: it never issues `_0`; `block_2`
+    before two unnamed `Block`s exist) is the user's own."""
+    from keras.src.backend.common import global_state
     from keras.src.utils.naming import to_snake_case
 
     base = to_snake_case(type(layer).__name__)
     name = layer.name
-    return name == base or (name.startswith(base + "_") and name[len(base) + 1:].isdigit())
+    if name == base:
+        n = 0
+    elif (name.startswith(base + "_") and name[len(base) + 1:].isdigit()
+          and not name[len(base) + 1:].startswith("0")):
+        n = int(name[len(base) + 1:])
+    else:
+        return False
+    issued = global_state.get_global_attribute("object_name_uids", None) or {}
+    return n < issued.get(base, 0)
 
 
 # Registries of sublayers that are not the user's attributes: Keras's own, torch's

@@ -138,7 +138,14 @@ class Spec:
         if given is not None:
             return given
         found = self.ranges.found.get(call_kind, {}) if self.ranges is not None else {}
-        return found.get(key, (-1.0, 1.0))
+        if key in found:
+            return found[key]
+        # A point that ran more often in the step than in the eager pass (a custom
+        # step that calls a layer twice): the range of its first run.
+        point, _, kind = key.rpartition(":")
+        base = f"{point.rpartition('@')[0] or point}:{kind}"
+        return found.get(base, found.get(f"{point.rpartition('@')[0] or point}@0:{kind}",
+                                         (-1.0, 1.0)))
 
     def finds_ranges(self) -> bool:
         """Does a kind this spec records need its histogram range found?"""

@@ -58,7 +58,7 @@ class LoopPointError(ValueError):
     >>> model = cs.Sequential([keras.Input((3, 2)), keras.layers.SimpleRNN(2, name="rnn")],
     ...                       name="m")
     >>> try:
-    ...     with cs.capture(model, "m/rnn/cell"):
+    ...     with cs.capture(model, "m/rnn/simple_rnn_cell"):
     ...         _ = model.predict(np.ones((1, 3, 2)), verbose=0)
     ... except cs.LoopPointError:
     ...     print("capture m/rnn instead")
