@@ -397,3 +397,74 @@ def test_hist_range_per_kind_and_from_a_dataset():
     assert cap["bnnet/dense:output/hist"].sum() == 3 * 4 * 6
     with pytest.raises(ValueError, match=r"`hist_range` takes \(lo, hi\).*Received: hist_range="):
         cs.capture(model, "*", reduce="hist", hist_range={"weights": (0, 1)})
+
+
+# --------------------------------------------------------------------------
+# Edges found in review
+# --------------------------------------------------------------------------
+def test_batch_patches_are_refused_in_fit_and_reached_is_per_kind_of_step():
+    model = _seq()
+    model.compile(optimizer="sgd", loss="mse")
+    y = np.zeros((8, 2), "float32")
+    with pytest.raises(ValueError, match=r"`fit` shuffles and repeats.*Received: a batch "
+                                         r"patch in fit"):
+        with cs.patch(model, {"seq/hidden": np.zeros((8, 5), "float32")}):
+            model.fit(X, y, verbose=0)
+
+    class TrainOnly(layers.Layer):
+        def call(self, x, training=None):
+            return cs.sow(self, "noise", x + 1.0) if training else x
+
+    model = cs.Sequential([keras.Input((4,)), TrainOnly(name="t"), layers.Dense(4, name="d")],
+                          name="m")
+    model.compile(optimizer="sgd", loss="mse")
+    zero = keras.ops.zeros_like
+    with cs.patch(model, {"m/t/noise": zero}):
+        model.fit(X, X, epochs=1, verbose=0)  # reached in training
+        with pytest.raises(ValueError, match=r"never reached \['m/t/noise'\] in this "
+                                             r"`predict`"):
+            model.predict(X, verbose=0)  # the same key, but predict never reaches it
+
+
+def test_inner_model_capture_on_the_outer_models_first_fit():
+    inner = cs.Sequential([keras.Input((4,)), layers.Dense(3, name="d")], name="enc")
+    outer = cs.Sequential([keras.Input((4,)), inner, layers.Dense(2, name="head")], name="ae")
+    outer.compile(optimizer="sgd", loss="mse")
+    with cs.capture(inner, "enc/d") as cap:
+        outer.fit(X, np.zeros((8, 2), "float32"), batch_size=8, shuffle=False, verbose=0)
+    assert cap["enc/d:output"].shape == (1, 8, 3) or cap["enc/d:output"].shape == (8, 3)
+
+
+def test_a_subclassed_models_name_survives_saving(tmp_path):
+    @keras.saving.register_keras_serializable("test_points")
+    class Encoder(cs.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.proj = layers.Dense(2)
+
+        def call(self, x):
+            return self.proj(x)
+
+    model = Encoder(name="encoder")
+    points = cs.points(model, X)
+    assert points == {"encoder": (8, 2), "encoder/proj": (8, 2)}
+    model.save(tmp_path / "e.keras")
+    for _ in range(2):  # Keras's name counter moves on with each load
+        assert cs.points(keras.saving.load_model(tmp_path / "e.keras"), X) == points
+
+
+def test_layers_in_a_branch_of_cond_are_refused_alike():
+    class Branchy(layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.inner = layers.Dense(4, name="inner")
+
+        def call(self, x):
+            return keras.ops.cond(ops.sum(x) > 0, lambda: self.inner(x), lambda: x)
+
+    model = cs.Sequential([keras.Input((4,)), Branchy(name="b")], name="m")
+    positive = np.abs(X)  # torch runs only the branch taken: take the one with the layer
+    assert set(cs.points(model, positive)) == {"m", "m/b"}
+    with pytest.raises(cs.LoopPointError, match="m/b/inner.*branch of keras.ops.cond"):
+        with cs.capture(model, "m/b/inner"):
+            model.predict(positive, verbose=0)

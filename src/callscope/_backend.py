@@ -70,28 +70,26 @@ def place_like(array, like):
 
 
 def trace_marker():
-    """What identifies the trace that Python runs in now: a layer whose `call`
-    starts under another marker than its caller's runs inside a loop body or
-    other nested transformation (`scan`, `while_loop`, `cond`, `vmap`), whose
-    values cannot leave it. JAX: the current trace (jax 0.10.2:
-    `jax._src.core.trace_ctx`, the only way to ask; None if it moves). TF: the
-    default graph (a loop body is a graph of its own). torch runs loops in Python:
-    the depth of `keras.ops` loops (`_keras_compat.mark_torch_loops`); RNN layers
-    are known by type."""
+    """What identifies where Python runs now: a layer whose `call` starts under
+    another marker than its caller's runs inside a loop body, a branch or another
+    nested transformation, whose values cannot leave it. It is the depth of
+    `keras.ops` loops and branches (`_keras_compat.mark_loops`), with, on JAX,
+    the current trace (jax 0.10.2: `jax._src.core.trace_ctx`, the only way to ask;
+    it catches `jax.lax` loops and transforms in user code) and, on TF, the
+    default graph (a `tf.while_loop` body is a graph of its own). RNN layers are
+    known by type."""
+    from callscope import _keras_compat
+
+    depth = _keras_compat.loop_depth()
     if BACKEND == "jax":
         from jax._src import core
 
-        ctx = getattr(core, "trace_ctx", None)
-        return getattr(ctx, "trace", None)
+        return depth, getattr(getattr(core, "trace_ctx", None), "trace", None)
     if BACKEND == "tensorflow":
         import tensorflow as tf
 
-        return None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
-    if BACKEND == "torch":
-        from callscope import _keras_compat
-
-        return _keras_compat.torch_loop_depth()
-    return None
+        return depth, None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+    return depth, None
 
 
 def check_same_shape(out, value, message: str):

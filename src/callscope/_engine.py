@@ -42,6 +42,7 @@ from callscope._functions import (
     step_closure,
 )
 from callscope._logger import EpochStatistics
+from callscope._points import CALL_KINDS
 from callscope._run import Gate, RowOffset, Run, SharedState, with_gate_callbacks
 
 DEFAULT_CACHE_SIZE = 8
@@ -108,9 +109,10 @@ class Engine(CaptureMixin):
             _keras_compat.set_instance_attribute(self, "_callscope_table", table)
         return table
 
-    def _cs_make_steps(self, key: tuple, values: Mapping, reads: set, hits: set) -> dict:
+    def _cs_make_steps(self, key: tuple, values: Mapping, reads: set, hits: dict) -> dict:
         specs, patches = marked(key, CAPTURE), marked(key, PATCH)
-        return {kind: step_closure(self, kind, dict(values), specs, patches, reads, hits)
+        return {kind: step_closure(self, kind, dict(values), specs, patches, reads,
+                                   hits.setdefault(kind, set()))
                 for kind in _KINDS}
 
     def _cs_entry_now(self) -> _keys.Entry:
@@ -231,7 +233,7 @@ class Engine(CaptureMixin):
             if gates and method in ("fit", "evaluate", "predict"):
                 kwargs["callbacks"] = with_gate_callbacks(kwargs.get("callbacks"), gates, self)
             result = self._cs_call_keras(method, run, frame, args, kwargs)
-            self._cs_check_reached(run, entry.hits)
+            self._cs_check_reached(run, entry.hits.get(CALL_KINDS[method], set()))
             return result
         finally:
             table.release(entry)
@@ -241,6 +243,14 @@ class Engine(CaptureMixin):
         batch = [fn for _, _, fn in patches if getattr(fn, "takes_batch", False)]
         if not batch:
             return None
+        if method == "fit":
+            raise ValueError(
+                "A patch that takes the batch (`fn(value, batch)` or an array) gives "
+                "each batch rows of the call's data in order, and `fit` shuffles and "
+                "repeats its data (and validates on other data). Use it with `predict`, "
+                "`evaluate` or the *_on_batch methods (each call's data starts at row 0), "
+                "or patch with `fn(value)` in fit. Received: a batch patch in fit"
+            )
         steps = getattr(self, "steps_per_execution", 1) or 1
         replicas = _keras_compat.replicas(self)
         if steps > 1 or replicas > 1:

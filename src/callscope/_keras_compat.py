@@ -430,34 +430,37 @@ def copy_registered_name(source_cls, target_cls):
         names[target_cls] = names[source_cls]
 
 
-_TORCH_LOOP_DEPTH = contextvars.ContextVar("callscope_torch_loop_depth", default=0)
-_TORCH_LOOPS = ("map", "vectorized_map", "scan", "associative_scan", "while_loop", "fori_loop")
+_LOOP_DEPTH = contextvars.ContextVar("callscope_loop_depth", default=0)
+_LOOPS = ("map", "vectorized_map", "scan", "associative_scan", "while_loop", "fori_loop",
+          "cond", "switch")
 
 
-def torch_loop_depth() -> int:
-    """How many `keras.ops` loops (torch backend) the running Python is inside."""
-    return _TORCH_LOOP_DEPTH.get()
+def loop_depth() -> int:
+    """How many `keras.ops` loops or branches the running Python is inside."""
+    return _LOOP_DEPTH.get()
 
 
-def mark_torch_loops() -> None:
-    """torch runs `keras.ops.scan`/`while_loop`/... as Python loops, so a layer in
-    the body looks like any other call; wrap them once to count the depth.
-    (keras 3.15.1: ops/core.py calls `backend.core.<loop>` at call time;
-    backend/torch/core.py:400-760 defines them.)"""
-    from keras.src.backend.torch import core
+def mark_loops() -> None:
+    """Wraps the backend's `keras.ops` loops and branches once, to count how deep
+    the running Python is inside them: a layer in a body looks like any other call
+    otherwise (torch runs loops in Python; TF's `vectorized_map` traces its body
+    in the caller's graph). (keras 3.15.1: ops/core.py calls `backend.core.<op>`
+    at call time; backend/<backend>/core.py defines them.)"""
+    import importlib
 
-    for name in _TORCH_LOOPS:
+    core = importlib.import_module(f"keras.src.backend.{keras.backend.backend()}.core")
+    for name in _LOOPS:
         loop = getattr(core, name, None)
         if loop is None or getattr(loop, "_callscope_loop", False):
             continue
 
         @functools.wraps(loop)
         def counted(*args, _loop=loop, **kwargs):
-            token = _TORCH_LOOP_DEPTH.set(_TORCH_LOOP_DEPTH.get() + 1)
+            token = _LOOP_DEPTH.set(_LOOP_DEPTH.get() + 1)
             try:
                 return _loop(*args, **kwargs)
             finally:
-                _TORCH_LOOP_DEPTH.reset(token)
+                _LOOP_DEPTH.reset(token)
 
         counted._callscope_loop = True
         setattr(core, name, counted)

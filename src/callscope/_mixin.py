@@ -47,6 +47,15 @@ class ContextMixin(Engine, _keras_compat.LossHook, *_JAX_HOOKS):
                 self.register_context_args(name)
         return state
 
+    def get_config(self):
+        # A subclassed model's config drops its `name` in stock Keras, so a loaded
+        # model would get a made-up one, and its points (named from the model's
+        # name down) would change. Keep it where `__init__` can take it back.
+        config = super().get_config()
+        if isinstance(config, dict) and "name" not in config and _takes_name(type(self)):
+            config = {**config, "name": self.name}
+        return config
+
     def register_context_args(self, *names: str, dynamic: bool = False) -> None:
         """Declares context arguments that every entry point of this model takes.
 
@@ -156,9 +165,9 @@ class ContextMixin(Engine, _keras_compat.LossHook, *_JAX_HOOKS):
                        or _record.active_patches() is not None)
         if not symbolic and not inside_step:
             captures, patches = self._cs_scopes()
-            if (captures or patches) and not (tracing and _scope.run_of(self) is not None):
-                # (A trace inside this model's own run, such as Keras's symbolic
-                # build, is not a call of its own.)
+            if (captures or patches) and not (tracing and _scope.run_inside(self)):
+                # (A trace inside a run of this model, or of a model that holds
+                # it, such as Keras's symbolic build, is not a call of its own.)
                 if tracing:
                     raise RuntimeError(_OUTSIDE_COMPILE.format(
                         what="cs.capture" if captures else "cs.patch",
@@ -222,6 +231,14 @@ class ContextMixin(Engine, _keras_compat.LossHook, *_JAX_HOOKS):
             kwargs.update({n: v for n, v in delivered.items() if n in params})
             with _keras_compat.entered_call_context(self, entered):
                 return call()
+
+
+def _takes_name(cls) -> bool:
+    try:
+        parameters = inspect.signature(cls.__init__).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "name" or p.kind is p.VAR_KEYWORD for p in parameters)
 
 
 _OUTSIDE_COMPILE = (

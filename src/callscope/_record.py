@@ -15,8 +15,9 @@ gradient sources), and `finalize` turns the records into the step's extra
 outputs. Outside a capture or patch, `sow` is one context lookup and the
 compiled graph has no extra outputs.
 
-A layer called inside a loop body (an RNN's cell, `keras.ops.scan`, `fori_loop`,
-`while_loop`, `vectorized_map`) is not a point: its values cannot leave the loop.
+A layer called inside a loop body or a branch (an RNN's cell, `keras.ops.scan`,
+`fori_loop`, `while_loop`, `map`, `vectorized_map`, `cond`, `switch`) is not a
+point: its values cannot leave the body.
 Globs skip it; naming it exactly, or patching it, raises `LoopPointError`.
 """
 
@@ -232,8 +233,9 @@ def loop_message(point: str, enclosing: str, named=()) -> str:
     received = f"select={list(named)!r}" if named else f"patches={{{point!r}: ...}}"
     return (
         f"`{point}` runs inside a loop body in `{enclosing or 'the model'}` (an RNN's "
-        "cell, or keras.ops.scan/fori_loop/while_loop/vectorized_map): a value made "
-        "inside a loop cannot leave it, so callscope cannot capture or patch it. Capture "
+        "cell, or keras.ops.scan/fori_loop/while_loop/map/vectorized_map, or a branch "
+        "of keras.ops.cond/switch): a value made inside one cannot leave it, so "
+        "callscope cannot capture or patch it. Capture "
         f"or patch `{enclosing or 'the layer that runs the loop'}` instead (its output "
         "holds every step of the loop), or compute the value outside the loop. "
         f"Received: {received}"
@@ -395,8 +397,7 @@ def install_wrappers(model) -> None:
     layer's bound method (deep copies rebind it) and exposes its signature, so
     Keras code that inspects `layer.call` sees the real one.
     """
-    if _TORCH:
-        _keras_compat.mark_torch_loops()
+    _keras_compat.mark_loops()
     for parent in _keras_compat.flatten_layers(model):
         if isinstance(parent, keras.layers.InputLayer):
             continue

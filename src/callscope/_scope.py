@@ -258,6 +258,15 @@ def stepping(model) -> bool:
     return any(m is model for m in _STEPPING.get())
 
 
+def run_inside(layer) -> bool:
+    """Is a run of `layer`, or of a model that holds it, in progress here?"""
+    from callscope import _keras_compat
+
+    return any(run.model is layer or any(sub is layer for sub in
+                                         _keras_compat.flatten_layers(run.model))
+               for run in _RUNS.get())
+
+
 def run_of(model):
     """The innermost run of `model` in this thread, or None."""
     for run in reversed(_RUNS.get()):

@@ -89,7 +89,12 @@ def summary(model, x, print_fn=print) -> str:
     # Re-order parents before their children, by depth and position.
     ordered = _preorder(tree)
     rows = [("call", "output shape", "params", "context args")]
+    looped = set()
     for depth, point, layer, value, sown in ordered:
+        if value is _record.LOOP:  # one row, however many times the loop ran it
+            if point in looped:
+                continue
+            looped.add(point)
         label = "  " * depth + (f"sow {point.rsplit('/', 1)[-1]}" if sown else
                                 f"{point} ({type(layer).__name__})")
         params = "" if sown else f"{_count_params(layer):,}"
