@@ -283,6 +283,9 @@ def test_array_patch_takes_each_batchs_rows():
     with pytest.raises(ValueError, match="has 8 rows, but this call's data runs to row 9"):
         with cs.patch(model, {"seq/hidden": clean}):
             model.predict(np.concatenate([X, X[:1]]), batch_size=3, verbose=0)
+    with pytest.raises(ValueError, match="has 8 rows, but this call's data had 7"):
+        with cs.patch(model, {"seq/hidden": clean}):
+            model.predict(X[:7], batch_size=3, verbose=0)
 
 
 def test_patch_function_of_the_batch_gets_row_offsets():
@@ -468,3 +471,25 @@ def test_layers_in_a_branch_of_cond_are_refused_alike():
     with pytest.raises(cs.LoopPointError, match="m/b/inner.*branch of keras.ops.cond"):
         with cs.capture(model, "m/b/inner"):
             model.predict(positive, verbose=0)
+
+
+def test_names_keras_made_up_are_told_from_the_users_own(tmp_path):
+    class Unnamed(layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self._soft = layers.Softmax()  # Keras names it softmax, softmax_1, ...
+
+        def call(self, x):
+            return self._soft(x)
+
+    extra = [Unnamed() for _ in range(3)]  # takes "unnamed", "unnamed_1", "unnamed_2"
+    model = cs.Sequential([keras.Input((4,)), Unnamed(name="unnamed_1"), Unnamed()],
+                          name="m")
+    del extra
+    points = cs.points(model, X)
+    # The user's own "unnamed_1" keeps its name; Keras's names inside are replaced
+    # by the attribute that holds them.
+    assert set(points) == {"m", "m/unnamed_1", "m/unnamed_1/soft", f"m/{model.layers[1].name}",
+                           f"m/{model.layers[1].name}/soft"}
+    keras.utils.clear_session()  # Keras's name counters start again: no matter
+    assert cs.points(model, X) == points

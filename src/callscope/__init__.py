@@ -14,6 +14,7 @@ Example:
 ...     _ = model.predict(np.ones((2, 2)), verbose=0)
 """
 
+from callscope import _keras_compat
 from callscope._capture import Capture as Capture
 from callscope._capture import capture as capture
 from callscope._record import collecting as collecting
@@ -34,6 +35,8 @@ from callscope._record import Batch as Batch
 from callscope._record import LoopPointError as LoopPointError
 from callscope._summary import points as points
 from callscope._summary import summary as summary
+
+_keras_compat.mark_made_up_names()  # stable points for unnamed sublayers: see there
 
 __version__ = "0.1.0"
 

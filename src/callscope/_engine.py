@@ -234,6 +234,8 @@ class Engine(CaptureMixin):
                 kwargs["callbacks"] = with_gate_callbacks(kwargs.get("callbacks"), gates, self)
             result = self._cs_call_keras(method, run, frame, args, kwargs)
             self._cs_check_reached(run, entry.hits.get(CALL_KINDS[method], set()))
+            if run.offset is not None:
+                run.offset.check_end()
             return result
         finally:
             table.release(entry)
@@ -273,8 +275,8 @@ class Engine(CaptureMixin):
         if _JAX:
             target = next(i for i, v in enumerate(self.non_trainable_variables)
                           if v is state.rows_offset)
-        limits = [fn.rows for fn in batch if getattr(fn, "rows", None) is not None]
-        return RowOffset(target, min(limits) if limits else None)
+        return RowOffset(target, tuple(fn.rows for fn in batch
+                                       if getattr(fn, "rows", None) is not None))
 
     def _cs_call_keras(self, method, run, frame, args, kwargs):
         state = self._cs

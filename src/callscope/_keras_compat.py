@@ -475,27 +475,39 @@ def is_graph_model(layer) -> bool:
     return isinstance(layer, Functional | keras.Sequential)
 
 
-def has_automatic_name(layer) -> bool:
-    """Is `layer.name` one that Keras made up for an unnamed layer? Keras names
-    the n-th unnamed layer of a class `<snake case class>` (n = 0) or
-    `<snake case class>_<n>`, from a per-session counter (keras 3.15.1:
-    utils/naming.py `auto_name`, `uniquify`; backend/common/global_state.py).
-    A name the counter has not issued (`block_0`: it never issues `_0`; `block_2`
-    before two unnamed `Block`s exist) is the user's own."""
-    from keras.src.backend.common import global_state
-    from keras.src.utils.naming import to_snake_case
+_MADE_UP: dict[int, str] = {}  # id -> the name object Keras made up (kept alive)
 
-    base = to_snake_case(type(layer).__name__)
-    name = layer.name
-    if name == base:
-        n = 0
-    elif (name.startswith(base + "_") and name[len(base) + 1:].isdigit()
-          and not name[len(base) + 1:].startswith("0")):
-        n = int(name[len(base) + 1:])
-    else:
-        return False
-    issued = global_state.get_global_attribute("object_name_uids", None) or {}
-    return n < issued.get(base, 0)
+
+def mark_made_up_names() -> None:
+    """Remembers the names Keras makes up for unnamed layers, as they are made.
+
+    Keras names the n-th unnamed layer of a class `<class in snake case>_<n>`
+    from a session-wide counter, so an unnamed sublayer is `softmax` in one
+    process and `softmax_3` after a load in another: no name for a point. The
+    very string objects are kept (a few bytes each, so their ids are never
+    reused); Keras, configs and files see the plain names. (keras 3.15.1:
+    ops/operation.py:24 calls its module's `auto_name` for an `Operation` without
+    a name.) Installed when callscope is imported; layers made before count as
+    named."""
+    from keras.src.ops import operation
+
+    original = operation.auto_name
+    if getattr(original, "_callscope_marks", False):
+        return
+
+    @functools.wraps(original)
+    def auto_name(prefix):
+        name = original(prefix)
+        _MADE_UP[id(name)] = name
+        return name
+
+    auto_name._callscope_marks = True
+    operation.auto_name = auto_name
+
+
+def has_automatic_name(layer) -> bool:
+    """Is `layer.name` one Keras made up (see `mark_made_up_names`)?"""
+    return _MADE_UP.get(id(layer.name)) is layer.name
 
 
 # Registries of sublayers that are not the user's attributes: Keras's own, torch's

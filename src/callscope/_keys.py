@@ -83,8 +83,11 @@ def static_key(values: dict, static: set) -> tuple:
 
 
 def describe(key: tuple) -> str:
-    return ", ".join(f"{item[0]}={item[1]!r}" for item in key if isinstance(item[0], str)
-                     and not item[0].startswith("<"))
+    names = [f"{item[0]}={item[1]!r}" for item in key if isinstance(item[0], str)
+             and not item[0].startswith("<")]
+    scopes = [item[0].strip("<>") for item in key if isinstance(item[0], str)
+              and item[0].startswith("<")]
+    return ", ".join(names + [f"with a {scope}" for scope in scopes])
 
 
 class Entry:

@@ -57,19 +57,35 @@ class RowOffset:
     """The rows a run's steps have seen so far: each step's `batch.start`.
 
     `target` is where the value goes: the hidden variable (TF, torch) or its
-    position in the JAX state. `limit` is the rows of the shortest array patch."""
+    position in the JAX state. `limit` is the rows of the shortest array patch,
+    `arrays` the rows of each."""
 
-    def __init__(self, target, limit: int | None):
-        self.target, self.limit, self.rows = target, limit, 0
+    def __init__(self, target, arrays: tuple = ()):
+        self.target, self.arrays, self.rows = target, arrays, 0
+        self.limit = min(arrays) if arrays else None
 
     def advance(self, rows: int) -> None:
+        # Checked when the call ends (`check_end`), never inside Keras's loop: an
+        # exception there would lose the JAX loop's state. A step past the end
+        # reads clamped rows, and the call raises.
         self.rows += rows
+
+    def check_end(self) -> None:
+        """An array patch gives one row per row of the call's data."""
         if self.limit is not None and self.rows > self.limit:
             raise ValueError(
                 f"An array patch has {self.limit} rows, but this call's data runs to "
                 f"row {self.rows}: a patch array gives one row per row of the data, "
                 "in order. Pass an array with a row for every row of the data. "
                 f"Received: {self.limit} rows"
+            )
+        longer = [n for n in self.arrays if n != self.rows]
+        if longer:
+            raise ValueError(
+                f"An array patch has {longer[0]} rows, but this call's data had "
+                f"{self.rows}: a patch array gives one row per row of the data, in "
+                "order, so a longer one is the wrong array. Pass one with a row for "
+                f"every row of the data. Received: {longer[0]} rows"
             )
 
 
