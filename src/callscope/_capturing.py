@@ -1,11 +1,13 @@
 """`CaptureMixin`: the model side of captures and patches.
 
-What a run needs before its first step when captures or patches are open: the
-model built (layer paths are set on build), the recording wrappers installed (once
-per model, `_record.install_wrappers`), and histogram ranges fixed from the
-first batch. Also eager capture of a direct `model(x)`, the JAX
-forward pass that carries sown values out of `value_and_grad` (`AuxHook`),
-and the list of known points for error messages. `ContextMixin` builds on it.
+What a run needs when captures or patches are open: the model built, the
+recording wrappers installed (once per model, `_record.install_wrappers`), layers
+inside RNN loops refused by exact name, histogram ranges fixed from the batch each
+kind of step sees first (`_cs_find_ranges`, called before that step is traced),
+and, when the run ends, patches that it never reached reported. Also eager capture
+of a direct `model(x)`, the JAX forward pass that carries sown values out of
+`value_and_grad` (`AuxHook`), and the known points for error messages.
+`ContextMixin` builds on it.
 """
 
 from __future__ import annotations
