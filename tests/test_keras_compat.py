@@ -77,3 +77,25 @@ def test_jax_step_state_layout():
     model.compile(optimizer="sgd", loss="mse")
     state = model._get_jax_state(trainable_variables=True, non_trainable_variables=True)
     assert len(state) == 2 and len(state[0]) == len(model.trainable_variables)
+
+
+def test_names_keras_makes_up_are_remembered():
+    # `mark_made_up_names` wraps the `auto_name` that `Operation.__init__` calls.
+    from keras.src.ops import operation
+
+    assert getattr(operation.auto_name, "_callscope_marks", False), (
+        f"keras {keras.__version__} no longer names unnamed layers through "
+        "ops/operation.py's `auto_name`")
+    assert _keras_compat.has_automatic_name(keras.layers.Dense(2))
+    assert not _keras_compat.has_automatic_name(keras.layers.Dense(2, name="dense"))
+
+
+def test_loops_and_branches_are_counted():
+    # `mark_loops` wraps the backend's keras.ops loops, which ops/core.py calls.
+    depths = []
+    _keras_compat.mark_loops()
+    keras.ops.cond(True, lambda: depths.append(_keras_compat.loop_depth()) or 1.0,
+                   lambda: depths.append(_keras_compat.loop_depth()) or 0.0)
+    keras.ops.scan(lambda c, x: (depths.append(_keras_compat.loop_depth()) or c, x), 0.0,
+                   keras.ops.ones((2,)))
+    assert depths and min(depths) >= 1, f"keras {keras.__version__} moved its loops"
