@@ -3,6 +3,7 @@
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -117,9 +118,16 @@ def usage(*args):
     return run(*args, env=QUIET_TF)
 
 
+# TensorFlow's C++ logging (absl) prints at import, before any callscope code runs,
+# and TF_CPP_MIN_LOG_LEVEL does not silence all of it (the full `tensorflow` build's
+# CUDA probe): those lines are TensorFlow's, not callscope's.
+TF_LOG = re.compile(r"^([IWEF]\d{4} \d\d:\d\d:\d\d|WARNING: All log messages before absl)")
+
+
 def _usage_error(proc, *needles):
-    """Exit code 2 and exactly one line on stderr (no usage block, no traceback)."""
-    lines = proc.stderr.splitlines()
+    """Exit code 2 and exactly one line of callscope's on stderr (no usage block, no
+    traceback)."""
+    lines = [line for line in proc.stderr.splitlines() if not TF_LOG.match(line)]
     assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
     assert len(lines) == 1 and lines[0].strip() and "Traceback" not in proc.stderr, proc.stderr
     assert lines[0].startswith("callscope: error: ") and lines[0].endswith("--help)"), lines[0]
