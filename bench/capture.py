@@ -99,7 +99,7 @@ def run_backend(repeats):
     ours = compiled(cs.Model(inputs, outputs))
 
     def capture_all():
-        with cs.capture(ours, "block_?") as cap:
+        with cs.capture(ours, "*/block_?") as cap:
             ours.predict(x, batch_size=BATCH, verbose=0)
         assert sum(v.shape[0] for v in cap.values()) == BLOCKS * ROWS  # to numpy, as Keras
 
@@ -117,7 +117,7 @@ def run_backend(repeats):
     plain = compiled(cs.Model(inputs, outputs))
 
     def stats_fit():
-        with cs.capture(plain, "block_?", reduce=("mean", "std", "frac_zero")):
+        with cs.capture(plain, "*/block_?", reduce=("mean", "std", "frac_zero")):
             plain.fit(x, y, batch_size=BATCH, verbose=0)
 
     r, m, t = _ratio(stats_fit, lambda: plain.fit(x, y, batch_size=BATCH, verbose=0), repeats)
@@ -125,7 +125,7 @@ def run_backend(repeats):
 
     # 6. gradient statistics (per-block gradient norms) during fit vs plain fit.
     def grad_stats_fit():
-        with cs.capture(plain, "block_?", kinds=("grad",), reduce=("rms", "absmax")):
+        with cs.capture(plain, "*/block_?", kinds=("grad",), reduce=("rms", "absmax")):
             plain.fit(x, y, batch_size=BATCH, verbose=0)
 
     r, m, t = _ratio(grad_stats_fit, lambda: plain.fit(x, y, batch_size=BATCH, verbose=0), repeats)
@@ -157,15 +157,15 @@ def run_rss(scale):
             return (x + index,)
 
     with tempfile.TemporaryDirectory() as directory:
-        with cs.capture(model, "block_?", to=os.path.join(directory, "cap")):
+        with cs.capture(model, "*/block_?", to=os.path.join(directory, "cap")):
             model.predict(Batches(), verbose=0)  # warm-up pass
         base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        with cs.capture(model, "block_?", to=os.path.join(directory, "cap2")) as cap:
+        with cs.capture(model, "*/block_?", to=os.path.join(directory, "cap2")) as cap:
             model.predict(Batches(), verbose=0)
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         written = sum(v.nbytes for v in cap.values()) / 2**20
         # Control: the same capture held in memory does grow with the data.
-        with cs.capture(model, "block_?") as cap:
+        with cs.capture(model, "*/block_?") as cap:
             model.predict(Batches(), verbose=0)
             sum(v.nbytes for v in cap.values())
         in_memory = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
