@@ -17,6 +17,7 @@ Example:
 from callscope import _keras_compat
 from callscope._capture import Capture as Capture
 from callscope._capture import capture as capture
+from callscope._capture import load_capture as load_capture
 from callscope._record import collecting as collecting
 from callscope._record import emit as emit
 from callscope._record import sow as sow
@@ -57,6 +58,7 @@ __all__ = [
     "emit",
     "enable",
     "intermediate_grads",
+    "load_capture",
     "patch",
     "points",
     "sow",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 
 import keras
+import numpy as np
 
 BACKEND = keras.backend.backend()
 
@@ -135,3 +136,49 @@ def same_random_numbers():
         torch.set_rng_state(cpu)
         if cuda is not None:
             torch.cuda.set_rng_state_all(cuda)
+
+
+# --------------------------------------------------------------------------
+# Several JAX processes (`jax.distributed.initialize`): arrays that span them
+# --------------------------------------------------------------------------
+def process_index() -> tuple[int, int]:
+    """`(this process, processes)` of a multi-process JAX job; `(0, 1)` elsewhere."""
+    if BACKEND != "jax":
+        return 0, 1
+    import jax
+
+    return jax.process_index(), jax.process_count()
+
+
+def spans_processes(value) -> bool:
+    """True for a JAX global array that has shards on another process: no process
+    can read it whole (`np.asarray` raises)."""
+    return BACKEND == "jax" and getattr(value, "is_fully_addressable", True) is False
+
+
+def gathered(value):
+    """The whole of `value` on this host, a collective for an array that spans
+    processes: every process must call it, in the same order (each step's values
+    reach the sinks in the same order on every process of an SPMD program)."""
+    if not spans_processes(value):
+        return value
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(value, tiled=True))
+
+
+def local_blocks(value):
+    """`(start, block)` for each shard of `value` this process holds, one copy of
+    each across every process (replica 0), with `start` its global corner."""
+    for shard in value.addressable_shards:
+        if shard.replica_id == 0:
+            start = [s.indices(n)[0] for s, n in zip(shard.index, value.shape)]
+            yield start, np.asarray(shard.data)
+
+
+def barrier(name: str) -> None:
+    """Waits until every process of a multi-process JAX job gets here."""
+    if process_index()[1] > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)

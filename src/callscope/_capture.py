@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from callscope import _reduce, _scope, _sinks
+from callscope import _backend, _reduce, _scope, _sinks
 from callscope._points import KINDS, Ranges, Spec, normalize_select
 
 # --------------------------------------------------------------------------
@@ -104,33 +104,50 @@ class Capture(Mapping):
         if self._token is not None:
             raise RuntimeError("A `cs.capture` scope can be entered once. Open a new one.")
         if self._dir is not None:
+            # Several JAX processes share one directory: each looks before any
+            # writes (the barrier), and only the first deletes.
+            first = _backend.process_index()[0] == 0
             os.makedirs(self._dir, exist_ok=True)
-            if os.listdir(self._dir) and self._overwrite:
+            if os.listdir(self._dir) and self._overwrite and first:
                 shutil.rmtree(self._dir)
                 os.makedirs(self._dir)
-            if os.listdir(self._dir):
+            if os.listdir(self._dir) and not self._overwrite:
                 raise FileExistsError(
                     f"`{self._dir}` already holds a capture or other files: cs.capture(to=...) "
                     "never writes into a directory that holds files. Choose a new or empty "
                     "directory, or pass overwrite=True to delete what it holds first. "
                     f"Received: to={self._dir!r}"
                 )
+            _backend.barrier(f"callscope-capture-open:{self._dir}")
         self._token = _scope.enter_capture(self)
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         _scope.exit_capture(self._token)
-        self._write_index()
+        self._write_index(complete=exc_type is None)
         if exc_type is None and self.calls and not any(len(c) for c in self.calls):
             raise ValueError(self._nothing_matched())
 
-    def _write_index(self) -> None:
-        if self._dir is not None:
-            index = {"calls": [{"method": c.method, "nested": c.nested,
-                                "dir": os.path.basename(c._dir), "files": c._files}
-                               for c in self.calls]}
-            with open(os.path.join(self._dir, "index.json"), "w") as f:
-                json.dump(index, f, indent=1)
+    def _write_index(self, complete: bool = True) -> None:
+        if self._dir is None:
+            return
+        index = {"calls": [{"method": c.method, "nested": c.nested,
+                            "dir": os.path.basename(c._dir), "files": c._files}
+                           for c in self.calls]}
+        me, processes = _backend.process_index()
+        if processes == 1:
+            _write_json(os.path.join(self._dir, "index.json"), index)
+            return
+        # Several JAX processes: each writes its part; when every process got
+        # here, the first merges them into the one index and the others wait.
+        _write_json(os.path.join(self._dir, f"index.p{me}.json"), index)
+        if complete:
+            _backend.barrier(f"callscope-capture-parts:{self._dir}")
+            if me == 0:
+                _write_json(os.path.join(self._dir, "index.json"), _merged_index(self._dir))
+                for k in range(processes):
+                    os.remove(os.path.join(self._dir, f"index.p{k}.json"))
+            _backend.barrier(f"callscope-capture-index:{self._dir}")
 
     def _nothing_matched(self) -> str:
         points = self.model._cs_known_points()
@@ -151,6 +168,71 @@ class Capture(Mapping):
             "`cs.points(model, x)` to list every point. Received: "
             f"select={wanted!r}"
         )
+
+
+def _write_json(path: str, value) -> None:
+    with open(path + ".tmp", "w") as f:
+        json.dump(value, f, indent=1)
+    os.replace(path + ".tmp", path)  # a reader never sees half an index
+
+
+def _merged_index(directory: str) -> dict:
+    """The processes' parts of a capture's index (`index.p<k>.json`) as one: each
+    key's file parts side by side."""
+    names = sorted(n for n in os.listdir(directory)
+                   if n.startswith("index.p") and n.endswith(".json"))
+    parts = []
+    for name in names:
+        with open(os.path.join(directory, name)) as f:
+            parts.append(json.load(f))
+    merged = parts[0]
+    for other in parts[1:]:
+        for call, theirs in zip(merged["calls"], other["calls"]):
+            for key, entry in theirs["files"].items():
+                mine = call["files"].setdefault(key, {**entry, "parts": []})
+                mine["parts"] = mine.get("parts", []) + entry.get("parts", [])
+    return merged
+
+
+def load_capture(path: str | os.PathLike) -> Capture:
+    """Reads back a capture streamed with `cs.capture(..., to=path)`, in any process.
+
+    It gives what the capture gave when it closed: the same keys, calls and
+    values. A directory written by several JAX processes (each streams the shards
+    it holds) reads back as the whole arrays, in global batch order.
+
+    Example:
+
+    >>> import keras, numpy as np, tempfile, callscope as cs
+    >>> model = cs.Sequential([keras.Input((2,)), keras.layers.Dense(3, name="hidden")],
+    ...                       name="mlp")
+    >>> path = tempfile.mkdtemp()
+    >>> with cs.capture(model, "*/hidden", to=path) as cap:
+    ...     _ = model.predict(np.ones((4, 2)), batch_size=2, verbose=0)
+    >>> cs.load_capture(path)["mlp/hidden:output"].shape
+    (4, 3)
+    """
+    path = os.fspath(path)
+    index_file = os.path.join(path, "index.json")
+    if os.path.exists(index_file):
+        with open(index_file) as f:
+            index = json.load(f)
+    elif os.path.isdir(path) and any(n.startswith("index.p") for n in os.listdir(path)):
+        index = _merged_index(path)  # a run that failed before its index was merged
+    else:
+        raise FileNotFoundError(
+            f"`{path}` holds no capture index (`index.json`): it is written when a "
+            "`cs.capture(..., to=path)` scope closes. Pass the directory given as "
+            f"`to=`, after the scope has closed. Received: path={path!r}"
+        )
+    spec = Spec(None, ("output",), None, 32)
+    capture = Capture(None, spec, path)
+    for item in index["calls"]:
+        call = _sinks.Call(spec, item["method"], item["nested"],
+                           os.path.join(path, item["dir"]))
+        call._files = item["files"]
+        capture.calls.append(call)
+    return capture
 
 
 def _given_ranges(hist_range) -> tuple:

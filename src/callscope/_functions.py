@@ -113,7 +113,8 @@ class RunFunction:
             model._cs_find_ranges(run.ranges, self.kind, batch, state)
         if run is None or not (run.dynamic or run.replicated or run.offset):  # common case
             with _scope.steps_of(model):
-                return _steps.pop_sown(self.kind, function(*args, **kwargs), run)
+                result = _steps.pop_sown(self.kind, function(*args, **kwargs), run)
+            return _steps.gathered_outputs(self.kind, result)
         dynamic = run.dynamic
         if run.offset is not None:  # this step's row offset, for patches of the batch
             dynamic = (*dynamic, (run.offset.target, np.asarray(run.offset.rows, "int32")))
@@ -133,4 +134,4 @@ class RunFunction:
                     variable.assign(array)
             stack.enter_context(_scope.steps_of(model))
             result = function(*args, **kwargs)
-        return _steps.pop_sown(self.kind, result, run)
+        return _steps.gathered_outputs(self.kind, _steps.pop_sown(self.kind, result, run))

@@ -17,7 +17,7 @@ import keras
 import numpy as np
 from keras import ops
 
-from callscope import _reduce
+from callscope import _backend, _reduce
 from callscope._points import CALL_KINDS, Spec
 
 _TORCH = keras.backend.backend() == "torch"
@@ -56,6 +56,11 @@ class Call(Mapping):
         self._cache.clear()
         if kind == "train" and _TORCH:  # torch keeps the autograd graph alive
             value = keras.tree.map_structure(ops.stop_gradient, value)
+        if self._dir is not None and _backend.spans_processes(value):
+            self._stream_blocks(key, value)  # each process writes the shards it holds
+            return
+        # Several JAX processes: gathered now, while every process is at this step.
+        value = keras.tree.map_structure(_backend.gathered, value)
         if self.spec.stats:
             self._per_step |= kind == "train"
             self._rows.setdefault(key, []).append(value)
@@ -81,6 +86,32 @@ class Call(Mapping):
         with open(os.path.join(self._dir, entry["file"]), "ab") as f:
             f.write(np.ascontiguousarray(array, dtype=entry["dtype"]).tobytes())
         entry["rows"] += array.shape[0]
+
+    def _stream_blocks(self, key: str, value) -> None:
+        """Several JAX processes: this process appends the shards it holds to its
+        own file, each block with its corner in the call's global rows."""
+        entry = self._files.get(key)
+        if entry is None:
+            os.makedirs(self._dir, exist_ok=True)
+            me, _ = _backend.process_index()
+            name = f"{len(self._files):04d}.p{me}.bin"
+            entry = self._files[key] = {
+                "dtype": np.dtype(value.dtype).str, "row": list(value.shape[1:]), "rows": 0,
+                "parts": [{"file": name, "blocks": []}],
+            }
+            open(os.path.join(self._dir, name), "xb").close()
+        if list(value.shape[1:]) != entry["row"]:
+            raise ValueError(
+                f"Captured `{key}` changed shape from (N, {entry['row']}) to {value.shape}; "
+                "streaming to disk needs a fixed shape per row. Capture it without `to=`."
+            )
+        part = entry["parts"][0]
+        with open(os.path.join(self._dir, part["file"]), "ab") as f:
+            for start, block in _backend.local_blocks(value):
+                start[0] += entry["rows"]
+                part["blocks"].append({"at": f.tell(), "start": start, "shape": block.shape})
+                f.write(np.ascontiguousarray(block, dtype=entry["dtype"]).tobytes())
+        entry["rows"] += value.shape[0]
 
     # -- reading -------------------------------------------------------------
     def _names(self) -> list[str]:
@@ -130,7 +161,9 @@ def read(calls: list[Call], key: str) -> np.ndarray:
         return _reduce.finalize(_reduce.merge(stacked), stat)
     parts = []
     for call in calls:
-        if call._dir is not None and key in call._files:
+        if call._dir is not None and key in call._files and "parts" in call._files[key]:
+            parts.append(assemble(call._dir, call._files[key]))
+        elif call._dir is not None and key in call._files:
             entry = call._files[key]
             parts.append(np.memmap(os.path.join(call._dir, entry["file"]), dtype=entry["dtype"],
                                    mode="r", shape=(entry["rows"], *entry["row"])))
@@ -141,6 +174,28 @@ def read(calls: list[Call], key: str) -> np.ndarray:
     if not parts:
         raise KeyError(missing(key, calls))
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def assemble(directory: str, entry: dict) -> np.ndarray:
+    """One key streamed by several processes: their blocks put back in place."""
+    array = np.empty((entry["rows"], *entry["row"]), entry["dtype"])
+    filled = 0
+    for part in entry["parts"]:
+        raw = np.memmap(os.path.join(directory, part["file"]), dtype=np.uint8, mode="r")
+        for block in part["blocks"]:
+            n = int(np.prod(block["shape"]))
+            at = block["at"]
+            data = raw[at:at + n * array.itemsize].view(array.dtype).reshape(block["shape"])
+            array[tuple(slice(s, s + d) for s, d in zip(block["start"], block["shape"]))] = data
+            filled += n
+    if filled != array.size:
+        raise ValueError(
+            f"The capture files in `{directory}` hold {filled} of the {array.size} values "
+            "of a key: a process's files or its part of the index are missing. Read the "
+            "directory after every process has left its `cs.capture`. "
+            f"Received: parts={[p['file'] for p in entry['parts']]}"
+        )
+    return array
 
 
 def missing(key: str, calls) -> str:

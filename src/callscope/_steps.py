@@ -24,7 +24,7 @@ from __future__ import annotations
 import keras
 import numpy as np
 
-from callscope import _grads, _keras_compat, _record, _reduce
+from callscope import _backend, _grads, _keras_compat, _record, _reduce
 from callscope._record import OUTPUTS, SOWN
 
 BACKEND = keras.backend.backend()
@@ -71,6 +71,20 @@ def pop_sown(kind, result, run):
     if run is not None:
         run.sink(kind, sown)
     return (main, *rest) if _JAX else main
+
+
+def gathered_outputs(kind, result):
+    """predict's outputs, whole on every process of a multi-process JAX job.
+
+    Keras's predict loop concatenates each step's outputs on the host, which
+    raises for arrays whose shards live on other processes (Keras 3.15.1); the
+    gathered outputs are the global batch, in order, on every process.
+    """
+    if kind != "predict" or _backend.process_index()[1] == 1:
+        return result
+    outputs, rest = (result[0], result[1:]) if _JAX else (result, ())
+    outputs = keras.tree.map_structure(_backend.gathered, outputs)
+    return (outputs, *rest) if _JAX else outputs
 
 
 def check_capture_supported(model, method, specs=()):
