@@ -29,8 +29,8 @@ from multiprocess_model import DATA, build  # noqa: E402
 mesh = keras.distribution.DeviceMesh((2, 4), ("batch", "model"),
                                      keras.distribution.list_devices("cpu"))
 layout = keras.distribution.LayoutMap(mesh)
-layout["up/kernel"] = (None, "model")
-layout["down/kernel"] = ("model", None)
+layout[".*/up/kernel"] = (None, "model")
+layout[".*/down/kernel"] = ("model", None)
 distribution = keras.distribution.ModelParallel(layout_map=layout, batch_dim_name="batch")
 distribution.auto_shard_dataset = False  # each process passes its own rows
 keras.distribution.set_distribution(distribution)
@@ -39,7 +39,9 @@ model = build()
 if PROCESS == 0:
     np.savez(os.path.join(OUT, "weights.npz"), *model.get_weights())
 x, y = DATA[PROCESS]  # this process's rows
-seen = {"processes": jax.process_count(), "devices": jax.device_count()}
+seen = {"processes": jax.process_count(), "devices": jax.device_count(),
+        "sharded_kernels": sum(v.value.sharding.shard_shape(v.shape) != v.shape
+                               for v in model.weights)}
 with cs.capture(model, ["*/up", "*/block"], to=os.path.join(OUT, "predict")):
     seen["predict"] = model.predict(x, batch_size=4, verbose=0).tolist()
 seen["predict_debugging"] = model.predict(x, batch_size=4, debugging=True, verbose=0).tolist()

@@ -86,6 +86,7 @@ def test_two_processes_ran_one_sharded_model(two_processes):
     _, seen = two_processes
     assert [s["processes"] for s in seen] == [2, 2]
     assert [s["devices"] for s in seen] == [8, 8]
+    assert [s["sharded_kernels"] for s in seen] == [2, 2]  # up and down, over `model`
 
 
 def test_predict_gives_the_global_batch_on_every_process(two_processes, one_process):
