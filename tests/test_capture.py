@@ -352,3 +352,8 @@ def test_user_stateless_jax_step_with_collecting_and_emit():
     np.testing.assert_allclose(cap["net/block_1/pre_act:output"],
                                _reference(net, X)["net/block_1/pre_act:output"], rtol=1e-5,
                                atol=1e-6)
+
+
+def test_load_capture_explains_a_directory_without_a_capture(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"holds no capture index .*Received: path="):
+        cs.load_capture(tmp_path)

@@ -9,13 +9,16 @@ import pytest
 from conftest import BACKEND
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-JAX_ONLY = {"seed_002_custom_fit_jax.py"}  # the guide it comes from is JAX-only
+JAX_ONLY = {
+    "seed_002_custom_fit_jax.py",  # the guide it comes from is JAX-only
+    "sharded_residual_stream.py",  # keras.distribution is JAX's engine
+}
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in EXAMPLES.glob("*.py")))
 def test_example_runs(name, tmp_path):
     if name in JAX_ONLY and BACKEND != "jax":
-        pytest.skip("a stateless JAX train_step runs on the JAX backend only")
+        pytest.skip("JAX-only: a stateless JAX train_step, or keras.distribution")
     env = {**os.environ, "KERAS_BACKEND": BACKEND}
     proc = subprocess.run([sys.executable, str(EXAMPLES / name)], capture_output=True,
                           text=True, env=env, timeout=600, cwd=tmp_path)  # files land there

@@ -131,7 +131,3 @@ def test_training_matches_one_process(two_processes, one_process):
     for a, b in zip(seen[0]["weights"], one_process["weights"]):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
-
-def test_load_capture_explains_a_directory_without_a_capture(tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"holds no capture index .*Received: path="):
-        cs.load_capture(tmp_path)
