@@ -59,8 +59,8 @@ class Call(Mapping):
         if self._dir is not None and _backend.spans_processes(value):
             self._stream_blocks(key, value)  # each process writes the shards it holds
             return
-        # Several JAX processes: gathered now, while every process is at this step.
-        value = keras.tree.map_structure(_backend.gathered, value)
+        if _backend.process_index()[1] > 1:  # gathered now, while every process is here
+            value = keras.tree.map_structure(_backend.gathered, value)
         if self.spec.stats:
             self._per_step |= kind == "train"
             self._rows.setdefault(key, []).append(value)
