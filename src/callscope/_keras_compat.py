@@ -415,19 +415,26 @@ def functional_class():
     return Functional
 
 
-def copy_registered_name(source_cls, target_cls):
-    """Serializes `target_cls` under `source_cls`'s registered name.
+def serialize_as(stock_cls, cls):
+    """Makes `serialize_keras_object` write `cls` exactly as it writes `stock_cls`.
 
-    `cs.enable` swaps an instance's class for a subclass; Keras's serializer
-    looks the class up in `GLOBAL_CUSTOM_NAMES` (keras 3.15.1:
-    saving/object_registration.py:179), so a user's registered class must keep
-    its `package>Name` there, or the saved file would not load back.
+    `cls` already carries `stock_cls`'s `__name__` and `__module__`. Keras writes
+    a class under its `keras.*` export name if it has one (keras 3.15.1:
+    api_export.py:10 `REGISTERED_OBJS_TO_NAMES`, read only by
+    saving/serialization_lib.py:337 and :378), else under its registered name
+    (saving/object_registration.py:179 `GLOBAL_CUSTOM_NAMES`, default `__name__`).
+    Both are looked up by the exact class, so a subclass gets neither by itself.
+    Only these save-side tables change: what a name loads as is untouched.
     """
+    from keras.src import api_export
     from keras.src.saving import object_registration
 
+    exported = api_export.REGISTERED_OBJS_TO_NAMES
+    if stock_cls in exported:
+        exported[cls] = exported[stock_cls]
     names = object_registration.GLOBAL_CUSTOM_NAMES
-    if source_cls in names:
-        names[target_cls] = names[source_cls]
+    if stock_cls in names:
+        names[cls] = names[stock_cls]
 
 
 _LOOP_DEPTH = contextvars.ContextVar("callscope_loop_depth", default=0)

@@ -1,15 +1,21 @@
 """The public model classes, `enable`, and the `context_args` class decorator.
 
-`cs.Model` and `cs.Sequential` are `ContextMixin` on top of the Keras classes and
-are registered for serialization under the `callscope` package. `cs.Model(inputs,
-outputs)` builds a `cs.Functional` instead of letting Keras rewrite `cs.Model`'s
-own bases (Keras's `inject_functional_model_class` mutates the class it is called
-on, which would turn every later subclass-style `cs.Model` into a Functional).
+`cs.Model` and `cs.Sequential` are `ContextMixin` on top of the Keras classes.
+`cs.Model(inputs, outputs)` builds a `cs.Functional` instead of letting Keras
+rewrite `cs.Model`'s own bases (Keras's `inject_functional_model_class` mutates the
+class it is called on, which would turn every later subclass-style `cs.Model` into
+a Functional). `cs.Model` is registered for serialization under the `callscope`
+package, like any user class.
 
 `cs.enable(model)` swaps an existing instance's class for a cached subclass
 `(ContextMixin, type(model))` that keeps the original `__name__`, `__module__` and
-registered name, the technique `torch.nn.utils.parametrize` uses: a model saved
+serialized name, the technique `torch.nn.utils.parametrize` uses: a model saved
 after `enable` loads back as its original class, without callscope.
+
+The models `cs.Model(inputs, outputs)` and `cs.Sequential(layers)` build are of that
+same enabled class for the stock `Functional`/`Sequential` (a subclass of
+`cs.Functional`/`cs.Sequential`), so they save exactly as stock models do and load
+anywhere; `cs.enable(keras.saving.load_model(path))` gives back the same class.
 """
 
 from __future__ import annotations
@@ -52,8 +58,8 @@ class Model(ContextMixin, keras.Model):
     """
 
     def __new__(cls, *args, **kwargs):
-        if cls is Model and _keras_compat.functional_init_arguments(args, kwargs):
-            return keras.Model.__new__(Functional, *args, **kwargs)
+        if cls in (Model, Functional) and _keras_compat.functional_init_arguments(args, kwargs):
+            return keras.Model.__new__(_enabled_class(_Functional), *args, **kwargs)
         return keras.Model.__new__(cls, *args, **kwargs)
 
     def __init__(self, *args, **kwargs):
@@ -66,9 +72,12 @@ class Model(ContextMixin, keras.Model):
         _ = self._cs  # made eagerly, never first inside a compiled function
 
 
-@keras.saving.register_keras_serializable(package="callscope")
 class Functional(Model, _Functional):
     """What `cs.Model(inputs, outputs)` builds: a Keras Functional with context.
+
+    The model is of a subclass named like Keras's own `Functional`, so it saves as
+    a stock Functional that loads without callscope. `cs.enable` gives a loaded
+    stock Functional the same class back.
 
     Example:
 
@@ -77,12 +86,17 @@ class Functional(Model, _Functional):
     >>> model = cs.Model(inputs, keras.layers.Dense(2)(inputs))
     >>> isinstance(model, cs.Functional), isinstance(model, cs.Model)
     (True, True)
+    >>> type(model) is type(cs.enable(keras.Model(inputs, model.outputs)))
+    True
     """
 
 
-@keras.saving.register_keras_serializable(package="callscope")
 class Sequential(ContextMixin, keras.Sequential):
     """A drop-in `keras.Sequential` whose entry points take context arguments.
+
+    `cs.Sequential(layers)` builds a model of a subclass named like Keras's own
+    `Sequential`, so it saves as a stock Sequential that loads without callscope.
+    `cs.enable` gives a loaded stock Sequential the same class back.
 
     Example:
 
@@ -92,6 +106,10 @@ class Sequential(ContextMixin, keras.Sequential):
     >>> tuple(model(np.ones((1, 2)), debugging=True).shape)
     (1, 1)
     """
+
+    def __new__(cls, *args, **kwargs):
+        target = _enabled_class(keras.Sequential) if cls is Sequential else cls
+        return super().__new__(target, *args, **kwargs)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -115,13 +133,25 @@ def _rebase_on_functional(cls):
 
 @functools.cache
 def _enabled_class(cls):
+    """`cls` with context, named and serialized as `cls`; for the stock Functional
+    and Sequential, a subclass of `cs.Functional`/`cs.Sequential`."""
+    cs_class = {_Functional: Functional, keras.Sequential: Sequential}.get(cls)
     enabled = type(
         cls.__name__,
-        (ContextMixin, cls),
-        {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__},
+        (cs_class,) if cs_class else (ContextMixin, cls),
+        {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
+         "__doc__": (cs_class or cls).__doc__},
     )
-    _keras_compat.copy_registered_name(cls, enabled)
+    _keras_compat.serialize_as(cls, enabled)
     return enabled
+
+
+# Files saved by earlier callscope versions name these classes; they load as the classes that
+# now save as stock, so loading and saving again gives a file anyone can load.
+keras.saving.get_custom_objects().update({
+    "callscope>Functional": _enabled_class(_Functional),
+    "callscope>Sequential": _enabled_class(keras.Sequential),
+})
 
 
 def enable(model: T) -> T:
