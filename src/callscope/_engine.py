@@ -32,7 +32,7 @@ from typing import Any
 import keras
 import numpy as np
 
-from callscope import _keras_compat, _keys, _record, _scope, _steps
+from callscope import _keras_compat, _keys, _patch, _record, _scope, _steps
 from callscope._capturing import CAPTURE, PATCH, CaptureMixin, first_x
 from callscope._functions import (
     PerKeyFunction,
@@ -66,6 +66,13 @@ class _State:
         self.seen: dict[str, None] = {}  # points seen in traces, for error messages
         self.loops: dict[str, str] = {}  # points seen inside loops -> the loop's layer
         self.rows_offset: keras.Variable | None = None  # patches that take the batch
+        # TF, torch: the steps' dynamic inputs (`_inputs.py`): (name, shape, dtype)
+        # -> hidden variable; the names the last assigning run gave, that run and
+        # kind of step (it skips assigning again), and how many assigns so far.
+        self.slots: dict[tuple, keras.Variable] = {}
+        self.provided: frozenset = frozenset()
+        self.slot_holder: tuple | None = None
+        self.assigned = 0
         self.replica_lock = threading.Lock()  # tf.distribute: replica threads see no
         self.replica_entry = None  # contextvars, so the tracing call's entry is here
         self.dynamic_lock = threading.Lock()  # TF/torch: one assign-and-call at a time
@@ -109,10 +116,12 @@ class Engine(CaptureMixin):
             _keras_compat.set_instance_attribute(self, "_callscope_table", table)
         return table
 
-    def _cs_make_steps(self, key: tuple, values: Mapping, reads: set, hits: dict) -> dict:
+    def _cs_make_steps(self, key: tuple, values: Mapping, reads: set, hits: dict,
+                       inputs: dict) -> dict:
         specs, patches = marked(key, CAPTURE), marked(key, PATCH)
         return {kind: step_closure(self, kind, dict(values), specs, patches, reads,
-                                   hits.setdefault(kind, set()))
+                                   hits.setdefault(kind, set()),
+                                   inputs.setdefault(kind, set()))
                 for kind in _KINDS}
 
     def _cs_entry_now(self) -> _keys.Entry:
@@ -211,7 +220,7 @@ class Engine(CaptureMixin):
             if patches:
                 _record.install_wrappers(self)
                 self._cs_check_loops(captures, patches)
-                key = (*key, (PATCH, patches))
+                key = (*key, (PATCH, tuple((o, p, _patch.keyed(fn)) for o, p, fn in patches)))
         table = self._cs_table()
         entry = table.acquire(key, values, self.context_cache_size)
         try:

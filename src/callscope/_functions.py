@@ -17,7 +17,7 @@ import contextlib
 import keras
 import numpy as np
 
-from callscope import _backend, _keras_compat, _record, _scope, _steps
+from callscope import _backend, _inputs, _keras_compat, _record, _scope, _steps
 
 _JAX = keras.backend.backend() == "jax"
 
@@ -54,7 +54,7 @@ class StepDispatch:
         return entry.steps[self.kind](*args, **kwargs)
 
 
-def step_closure(model, kind, values, specs, patches, reads, hits):
+def step_closure(model, kind, values, specs, patches, reads, hits, used):
     """A fresh callable over `type(model).<kind>_step` that enters `values`.
 
     New per key on purpose: JAX keys its trace cache on the callable. Everything it
@@ -63,7 +63,8 @@ def step_closure(model, kind, values, specs, patches, reads, hits):
     the key that the trace looks up is kept in `reads` (checked at every call). With
     capture specs or patches, it names points inside the step (`_record.Collector`),
     returns the records as extra outputs, and notes the patched points it reached
-    in `hits` (checked when each run ends).
+    in `hits` (checked when each run ends). Patch values and found histogram
+    ranges are inputs of the step (`_inputs.py`); the names it reads go in `used`.
     """
     step = getattr(type(model), f"{kind}_step")
 
@@ -72,8 +73,10 @@ def step_closure(model, kind, values, specs, patches, reads, hits):
             if not specs and not patches:
                 return step(model, *args, **kwargs)
             offset = model._cs.rows_offset if patches else None
+            args, inputs = _inputs.unwrap(model, args, used)
             with _record.collecting_for(specs, kind) as collector, \
-                    _record.patching(patches, offset) as active:
+                    _record.patching(patches, offset, inputs) as active:
+                collector.inputs = inputs
                 if collector.wants_grads and kind != "predict":
                     result = _steps.step_with_grads(model, kind, step, args, kwargs, collector)
                 else:
@@ -111,7 +114,11 @@ class RunFunction:
             # before the step is traced (it reads them while tracing).
             batch, args, state = _keras_compat.peek_batch(args)
             model._cs_find_ranges(run.ranges, self.kind, batch, state)
-        if run is None or not (run.dynamic or run.replicated or run.offset):  # common case
+        inputs = run.inputs_for(self.kind) if run is not None and run.has_inputs else None
+        if inputs and _JAX:  # beside each batch, placed on the device once per run
+            args = (args[0], _inputs.wrapped(args[1], inputs), *args[2:])
+        if run is None or not (run.dynamic or run.replicated or run.offset
+                               or (inputs and not _JAX)):  # common case
             with _scope.steps_of(model):
                 result = _steps.pop_sown(self.kind, function(*args, **kwargs), run)
             return _steps.gathered_outputs(self.kind, result)
@@ -128,10 +135,12 @@ class RunFunction:
                 stack.enter_context(state.replica_lock)
                 state.replica_entry = run.entry
                 stack.callback(setattr, state, "replica_entry", None)
-            if dynamic and not _JAX:
+            if (dynamic or inputs) and not _JAX:
                 stack.enter_context(state.dynamic_lock)
                 for variable, array in dynamic:
                     variable.assign(array)
+                if inputs:
+                    _inputs.assign(model, run, self.kind, inputs)
             stack.enter_context(_scope.steps_of(model))
             result = function(*args, **kwargs)
         return _steps.gathered_outputs(self.kind, _steps.pop_sown(self.kind, result, run))

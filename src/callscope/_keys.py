@@ -98,7 +98,8 @@ class Entry:
         self.functions: dict[str, Any] = dict.fromkeys(KINDS)
         self.reads: set[str] = set()  # names outside the key its traces looked up
         self.hits: dict[str, set] = {}  # kind of step -> patched points its traces reached
-        self.steps = (make_steps(key, values or {}, self.reads, self.hits)
+        self.inputs: dict[str, set] = {}  # kind of step -> dynamic inputs its traces read
+        self.steps = (make_steps(key, values or {}, self.reads, self.hits, self.inputs)
                       if make_steps else {})
         self.users = 0  # running calls that use this entry (pins it)
 
@@ -106,7 +107,7 @@ class Entry:
 class KeyTable:
     """A bounded LRU of entries; the default key `()` is always kept."""
 
-    def __init__(self, make_steps: Callable[[tuple, dict, set, dict], dict]):
+    def __init__(self, make_steps: Callable[[tuple, dict, set, dict, dict], dict]):
         self._make_steps = make_steps
         self._entries: collections.OrderedDict[tuple, Entry] = collections.OrderedDict()
         self._lock = threading.Lock()

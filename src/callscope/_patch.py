@@ -8,43 +8,104 @@ unpatched one is untouched; nothing stays installed after the scope. A patch is
 - `fn(value, batch)`: a function of the value and of where the batch sits in the
   call's data (`batch.start`, `batch.rows`; see `cs.Batch`), for activation
   patching across batches;
+- `fn(value, values)` or `fn(value, batch, values)`: `values` are the numbers and
+  arrays given as `cs.patch(..., values={...})`;
 - an array with one row per row of the call's data: callscope takes this
   batch's rows (splice a clean run's activations into a corrupted run).
 
-A new `fn` object is a new key, so reuse one function across calls where you
-can. A patch whose output has another shape than the value raises; so does a
-patch on a point that a call never reached, when that call ends.
+Arrays (a patch array, `values=`) enter the compiled step as inputs (`_inputs.py`):
+the key holds their shapes and dtypes, so a sweep over new arrays of one shape
+compiles once. A function is keyed by identity: a new `fn` object is a new key,
+so define it once, outside the sweep, and pass what changes as `values`. A patch
+whose output has another shape than the value raises; so does a patch on a point
+that a call never reached, when that call ends.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
+import keras
 import numpy as np
 from keras import ops
 
 from callscope import _scope
 
 
-class ArrayPatch:
-    """A patch by a full-data array: each batch gets its own rows (`batch.start`
-    onwards). Hashed by identity: the array is a constant of the compiled step,
-    so each scope compiles its own (an array changed in place is never stale)."""
+class Shape(NamedTuple):
+    """The shape and dtype of a patch value, as the compiled key holds it."""
+
+    shape: tuple
+    dtype: str
+
+
+class DynamicPatch:
+    """A patch whose arrays (`values`: name -> numpy array) enter the compiled step
+    as inputs (`_inputs.py`): keyed by their shapes and dtypes, never by the
+    arrays, so a sweep of new values of one shape compiles once. `keyed()` is the
+    form the key holds: shapes only, so no compiled function keeps an array alive."""
 
     takes_batch = True
+    rows = None
+
+    def __init__(self, values: dict):
+        self.values = values
+
+    def structure(self) -> tuple:
+        return tuple((n, tuple(a.shape), str(a.dtype)) for n, a in sorted(self.values.items()))
+
+    def keyed(self) -> DynamicPatch:
+        twin = copy.copy(self)
+        twin.values = {n: Shape(tuple(a.shape), str(a.dtype)) for n, a in self.values.items()}
+        twin.rows = None
+        return twin
+
+    def _identity(self) -> tuple:
+        return (type(self), self.structure())
+
+    def __eq__(self, other):
+        return isinstance(other, DynamicPatch) and other._identity() == self._identity()
+
+    def __hash__(self):
+        return hash(self._identity())
+
+
+class ArrayPatch(DynamicPatch):
+    """A patch by a full-data array: each batch gets its own rows (`batch.start`
+    onwards). The array is an input of the compiled step (see `DynamicPatch`)."""
 
     def __init__(self, array):
-        self.array = np.asarray(array)
-        self.rows = len(self.array)
+        super().__init__({"array": np.asarray(array)})
+        self.rows = len(self.values["array"])
 
-    def __call__(self, value, batch):
+    def __call__(self, value, batch, values):
+        array = values["array"]
         # Clamped, so a batch past the end never fails inside the step: the run
-        # raises a clear error when the step returns (`RowOffset.advance`).
-        rows = ops.minimum(ops.arange(batch.rows, dtype="int32") + batch.start, self.rows - 1)
-        return ops.cast(ops.take(ops.convert_to_tensor(self.array), rows, axis=0), value.dtype)
+        # raises a clear error when the step returns (`RowOffset.check_end`).
+        rows = ops.minimum(ops.arange(batch.rows, dtype="int32") + batch.start,
+                           array.shape[0] - 1)
+        return ops.cast(ops.take(array, rows, axis=0), value.dtype)
+
+
+class ValuesPatch(DynamicPatch):
+    """A patch `fn(value, values=...)` or `fn(value, batch, values=...)`: the scope's
+    `values` enter the compiled step as inputs; the key holds `fn` by identity."""
+
+    def __init__(self, fn, values: dict, takes_batch: bool):
+        super().__init__(values)
+        self.fn, self.takes_batch = fn, takes_batch
+
+    def __call__(self, value, batch, values):
+        if self.takes_batch:
+            return self.fn(value, batch, values=values)
+        return self.fn(value, values=values)
+
+    def _identity(self) -> tuple:
+        return (id(self.fn), self.takes_batch, self.structure())
 
 
 class BatchPatch:
@@ -67,17 +128,53 @@ class BatchPatch:
         return hash(("BatchPatch", id(self.fn)))
 
 
-def _takes_batch(fn) -> bool:
+def keyed(fn):
+    """The form of a patch that a compiled key holds."""
+    return fn.keyed() if isinstance(fn, DynamicPatch) else fn
+
+
+def _parameters(fn) -> list:
     try:
-        parameters = inspect.signature(fn).parameters.values()
+        return list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):  # a builtin without a signature: fn(value)
-        return False
+        return []
+
+
+def _takes_batch(fn) -> bool:
+    parameters = [p for p in _parameters(fn) if p.name != "values"]
     positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     required = [p for p in positional if p.default is p.empty]
     return len(required) >= 2 or any(p.kind is p.VAR_POSITIONAL for p in parameters)
 
 
-def _normalized(point, fn):
+def _takes_values(fn) -> bool:
+    return any(p.name == "values" and p.kind is not p.POSITIONAL_ONLY for p in _parameters(fn))
+
+
+def _value_array(name, value) -> np.ndarray:
+    """A `values=` entry as the array the step gets: floats in floatx, Python and
+    64-bit ints in int32 (what JAX computes in), other dtypes kept."""
+    if isinstance(value, str) or value is None or callable(value):
+        raise TypeError(
+            "`cs.patch(..., values=)` takes numbers and arrays (they enter the compiled "
+            "step as inputs). Put strings and other settings in the function itself. "
+            f"Received: values[{name!r}]={value!r}"
+        )
+    array = np.asarray(keras.ops.convert_to_numpy(value))
+    if array.dtype.kind == "f":
+        return array.astype(keras.config.floatx())
+    if array.dtype.kind in "iu" and array.dtype.itemsize == 8:
+        if array.size and (array.min() < -(2**31) or array.max() >= 2**31):
+            raise ValueError(
+                f"`cs.patch(..., values=)` passes integers as int32. values[{name!r}] "
+                f"does not fit. Received: values[{name!r}] with range "
+                f"[{array.min()}, {array.max()}]"
+            )
+        return array.astype("int32")
+    return array
+
+
+def _normalized(point, fn, values):
     if not isinstance(point, str):
         raise TypeError(f"`cs.patch` takes {{point (str): fn or array}}. Received: {point!r}")
     if isinstance(fn, np.ndarray) or (not callable(fn) and hasattr(fn, "shape")):
@@ -93,11 +190,20 @@ def _normalized(point, fn):
             "`cs.patch` takes {point (str): fn(value), fn(value, batch) or an array}. "
             f"Received: {point!r}: {fn!r}"
         )
+    if _takes_values(fn):
+        if values is None:
+            raise TypeError(
+                f"The patch of `{point}` takes `values`, but `cs.patch` was given none. "
+                "Pass them as `cs.patch(model, {point: fn}, values={name: number or "
+                "array})`. Received: values=None"
+            )
+        return ValuesPatch(fn, values, _takes_batch(fn))
     return BatchPatch(fn) if _takes_batch(fn) else fn
 
 
 @contextlib.contextmanager
-def patch(model, patches: Mapping[str, Callable[..., Any] | Any]) -> Iterator[None]:
+def patch(model, patches: Mapping[str, Callable[..., Any] | Any],
+          values: Mapping[str, Any] | None = None) -> Iterator[None]:
     """Replaces the output of each point with a patch, for every call inside.
 
     Args:
@@ -106,7 +212,13 @@ def patch(model, patches: Mapping[str, Callable[..., Any] | Any]) -> Iterator[No
             `<layer point>/<name>` or an output element (see `cs.points`). A patch
             is `fn(value)`, `fn(value, batch)` (`batch.start` is the row offset
             of the batch in the call's data, `batch.rows` its size), or an array
-            with one row per row of the data, sliced per batch.
+            with one row per row of the data, sliced per batch. A function with a
+            `values` argument (`fn(value, values)`, `fn(value, batch, values)`)
+            gets `values` as tensors.
+        values: `{name: number or array}` for the patch functions that take
+            `values`. They are inputs of the compiled step, not constants: a
+            sweep that changes them (same shapes and dtypes) compiles once. Floats
+            become `keras.config.floatx()`, 64-bit ints int32.
 
     Example:
 
@@ -123,6 +235,18 @@ def patch(model, patches: Mapping[str, Callable[..., Any] | Any]) -> Iterator[No
            [2., 3.],
            [4., 5.],
            [6., 7.]], dtype=float32)
+
+    A sweep: one function, defined once; what changes goes in `values` (one
+    compiled function for every position):
+
+    >>> def zero_unit(h, values):
+    ...     keep = keras.ops.arange(h.shape[-1]) != values["unit"]
+    ...     return h * keras.ops.cast(keep, h.dtype)
+    >>> for unit in range(2):
+    ...     with cs.patch(model, {"mlp/hidden": zero_unit}, values={"unit": unit}):
+    ...         print(model.predict(clean[:1], verbose=0) != 0)
+    [[False  True]]
+    [[ True False]]
     """
     from callscope._mixin import ContextMixin
 
@@ -136,6 +260,20 @@ def patch(model, patches: Mapping[str, Callable[..., Any] | Any]) -> Iterator[No
             "`cs.patch` takes a non-empty dict {point: fn or array}. "
             f"Received: patches={patches!r}"
         )
-    normalized = {point: _normalized(point, fn) for point, fn in patches.items()}
+    if values is not None:
+        if not isinstance(values, Mapping) or not all(isinstance(n, str) for n in values):
+            raise TypeError(
+                "`cs.patch(..., values=)` takes a dict {name (str): number or array}. "
+                f"Received: values={values!r}"
+            )
+        values = {name: _value_array(name, value) for name, value in values.items()}
+    normalized = {point: _normalized(point, fn, values) for point, fn in patches.items()}
+    if values is not None and not any(isinstance(fn, ValuesPatch) for fn in normalized.values()):
+        raise TypeError(
+            "`cs.patch(..., values=)` passes its values to the patch functions that take "
+            "a `values` argument (`fn(value, values)` or `fn(value, batch, values)`), "
+            "and none does. Add the argument, or leave `values` out. "
+            f"Received: values={sorted(values)}"
+        )
     with _scope.open_patch(model, normalized):
         yield

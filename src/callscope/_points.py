@@ -96,14 +96,32 @@ CALL_KINDS = {"fit": "train", "train_on_batch": "train", "evaluate": "test",
 class Ranges:
     """Histogram ranges found from the first batch of each kind of call (`train`,
     `test`, `predict`, `call`) in one capture: `{call kind: {key: (lo, hi)}}`.
-    Filled once, before that kind's first step is traced; the compiled steps read
-    it while tracing. Hashed by identity: one capture scope, one set of ranges."""
+    Filled once, before that kind's first step runs. Compiled steps take them as
+    inputs (`_inputs.py`), so every `Ranges` is one key: captures whose first
+    batches differ share one compiled function."""
 
     def __init__(self):
         self.found: dict[str, dict[str, tuple[float, float]]] = {}
 
     def pending(self, call_kind: str) -> bool:
         return call_kind not in self.found
+
+    def __eq__(self, other):
+        return isinstance(other, Ranges)
+
+    def __hash__(self):
+        return hash(Ranges)
+
+
+def found_key(key: str, found) -> str | None:
+    """The key among `found` whose range `key` uses: itself; else, for a point that
+    ran more often in the step than in the eager pass (a custom step that calls a
+    layer twice), the range of its first run; None if neither."""
+    if key in found:
+        return key
+    point, _, kind = key.rpartition(":")
+    base = point.rpartition("@")[0] or point
+    return next((k for k in (f"{base}:{kind}", f"{base}@0:{kind}") if k in found), None)
 
 
 @dataclass(frozen=True)
@@ -138,14 +156,8 @@ class Spec:
         if given is not None:
             return given
         found = self.ranges.found.get(call_kind, {}) if self.ranges is not None else {}
-        if key in found:
-            return found[key]
-        # A point that ran more often in the step than in the eager pass (a custom
-        # step that calls a layer twice): the range of its first run.
-        point, _, kind = key.rpartition(":")
-        base = f"{point.rpartition('@')[0] or point}:{kind}"
-        return found.get(base, found.get(f"{point.rpartition('@')[0] or point}@0:{kind}",
-                                         (-1.0, 1.0)))
+        name = found_key(key, found)
+        return found[name] if name is not None else (-1.0, 1.0)
 
     def finds_ranges(self) -> bool:
         """Does a kind this spec records need its histogram range found?"""

@@ -33,8 +33,8 @@ import keras
 import numpy as np
 from keras import ops
 
-from callscope import _backend, _keras_compat, _reduce
-from callscope._points import Spec, key_name, local_name
+from callscope import _backend, _inputs, _keras_compat, _reduce
+from callscope._points import Spec, found_key, key_name, local_name
 
 SOWN = "__callscope_sown__"
 OUTPUTS = "__callscope_outputs__"
@@ -97,6 +97,7 @@ class Collector:
         self.loss = None  # set by the loss hook, for TensorFlow's outer tape
         self.manual = False  # cs.intermediate_grads takes the gradients itself
         self.rows = None  # the root call's batch size (patches that take the batch)
+        self.inputs = None  # _inputs.Reader in a compiled step: ranges found are inputs
         # Makes a gradient source differentiable (TF: tape.watch; torch: a leaf
         # that requires grad) and returns the value the forward pass goes on with.
         self.on_grad_source = _differentiable_source()
@@ -213,13 +214,29 @@ class Collector:
                 key = key_name(point, kind, i, len(values))
                 if spec.stats:
                     out[f"{index}|{key}"] = _reduce.partials(
-                        value, spec.stats, spec.bins, spec.range_for(key, self.kind)
+                        value, spec.stats, spec.bins, self.hist_range(int(index), key)
                     )
                 else:
                     out[f"{index}|{key}"] = value if len(value.shape) else ops.expand_dims(value, 0)
         if self.rows is not None:
             out[ROWS] = self.rows
         return out
+
+
+    def hist_range(self, index: int, key: str):
+        """`(lo, hi)` where constant (given, or eager: the spec's own found range);
+        in a compiled step, a found range is the step's input `[lo, bin width]`."""
+        spec = self.specs[index]
+        given = spec.given_range(key.rpartition(":")[2].partition("/")[0])
+        if self.inputs is None or given is not None or spec.ranges is None \
+                or not spec.stats or "hist" not in spec.stats:
+            return spec.range_for(key, self.kind)
+        prefix = _inputs.range_name(index, "")
+        found = {n[len(prefix):] for n in self.inputs.names() if n.startswith(prefix)}
+        name = found_key(key, found)
+        if name is None:
+            return (-1.0, 1.0)
+        return self.inputs.get(prefix + name, (2,), "float32")
 
 
 def split_record(name: str) -> tuple[str, str, str]:
@@ -573,12 +590,13 @@ class Patches:
     A patch opened on a model inside the called one names its points from that
     model down (`Collector.relative`)."""
 
-    def __init__(self, functions: tuple, offset=None):
+    def __init__(self, functions: tuple, offset=None, inputs=None):
         self.owners: dict[int, dict[str, Any]] = {}
         for owner, point, fn in functions:
             self.owners.setdefault(owner, {})[point] = fn
         self.hits: set[tuple[int, str]] = set()
         self.offset = offset  # a keras.Variable: rows before this batch
+        self.inputs = inputs  # _inputs.Reader in a compiled step; None: eager
         self.takes_batch = any(getattr(fn, "takes_batch", False)
                                for _, _, fn in functions)
 
@@ -596,6 +614,7 @@ class Patches:
             return value
         owner, name, fn = found
         self.hits.add((owner, name))
+        dynamic = self._values(owner, name, fn)
         if getattr(fn, "takes_batch", False):
             if self.offset is None:
                 raise ValueError(
@@ -604,7 +623,10 @@ class Patches:
                     "methods give. Received: a direct model(x) call"
                 )
             rows = value.shape[0] if value.shape[0] is not None else ops.shape(value)[0]
-            out = fn(value, Batch(ops.cast(self.offset.value, "int32"), rows))
+            batch = Batch(ops.cast(self.offset.value, "int32"), rows)
+            out = fn(value, batch) if dynamic is None else fn(value, batch, dynamic)
+        elif dynamic is not None:
+            out = fn(value, None, dynamic)
         else:
             out = fn(value)
         return _backend.check_same_shape(
@@ -616,13 +638,25 @@ class Patches:
         )
 
 
+    def _values(self, owner, name, fn):
+        """A `DynamicPatch`'s values as tensors: the step's inputs when compiled
+        (the key's patch holds shapes only), its own arrays when eager."""
+        arrays = getattr(fn, "values", None)
+        if arrays is None:
+            return None
+        if self.inputs is None:
+            return {n: ops.convert_to_tensor(a) for n, a in arrays.items()}
+        return {n: self.inputs.get(_inputs.patch_name(owner, name, n), a.shape, a.dtype)
+                for n, a in arrays.items()}
+
+
 def active_patches() -> Patches | None:
     return _ACTIVE_PATCHES.get()
 
 
 @contextlib.contextmanager
-def patching(functions: tuple, offset=None) -> Iterator[Patches | None]:
-    patches = Patches(functions, offset) if functions else None
+def patching(functions: tuple, offset=None, inputs=None) -> Iterator[Patches | None]:
+    patches = Patches(functions, offset, inputs) if functions else None
     token = _ACTIVE_PATCHES.set(patches)
     try:
         yield patches

@@ -105,14 +105,22 @@ def partials(value, stats, bins=32, hist_range=None):
     if "ninf" in needed:
         out["ninf"] = _count(ops.isinf(x))
     if "hist" in needed:
-        lo, hi = hist_range
-        width = (hi - lo) / bins
+        lo, width = _lo_width(hist_range, bins)
         # Finite values outside the range count in the edge bins, so counts sum to n.
         index = ops.clip(ops.floor((xf - lo) / width), 0, bins - 1)
         one_hot = ops.one_hot(ops.cast(index, "int32"), bins, dtype="float32")
         weight = ops.expand_dims(ops.cast(finite, "float32"), 1)
         out["hist"] = ops.sum(one_hot * weight, axis=0)
     return {k: ops.expand_dims(v, 0) for k, v in out.items()}
+
+
+def _lo_width(hist_range, bins):
+    """`(lo, hi)` given as numbers, or a compiled step's input `[lo, bin width]`
+    (`_inputs.py`; the width computed on the host as it is here)."""
+    if isinstance(hist_range, tuple):
+        lo, hi = hist_range
+        return lo, (hi - lo) / bins
+    return hist_range[0], hist_range[1]
 
 
 def merge(rows: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -236,8 +244,8 @@ def _torch_partials(value, stats, bins, hist_range):
         if "ninf" in needed:
             out["ninf"] = torch.isinf(x).sum().float()
         if "hist" in needed:
-            lo, hi = hist_range
-            index = ((xf - lo) / ((hi - lo) / bins)).floor().clamp(0, bins - 1).long()
+            lo, width = _lo_width(hist_range, bins)
+            index = ((xf - lo) / width).floor().clamp(0, bins - 1).long()
             # Non-finite values go to an extra bin, dropped (no bincount weights:
             # those are nondeterministic on CUDA).
             index = torch.where(finite, index, bins)

@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import keras
 
-from callscope import _keras_compat
+from callscope import _inputs, _keras_compat
 
 
 
@@ -45,6 +45,24 @@ class Run:
     replicated: bool = False  # under a tf.distribute strategy with several replicas
     offset: Any = None  # RowOffset, for patches that take the batch
     ranges: tuple = ()  # specs whose histogram ranges the first step fixes
+    # kind of step -> its dynamic inputs (`_inputs.py`), made at its first step
+    inputs: dict = field(default_factory=dict)
+
+    @property
+    def has_inputs(self) -> bool:
+        return bool(self.ranges) or any(hasattr(fn, "values") for _, _, fn in self.patches)
+
+    def inputs_for(self, kind: str) -> dict:
+        """This run's inputs of `kind` steps (JAX: on the device), made once and
+        checked against what the compiled step reads."""
+        values = self.inputs.get(kind)
+        if values is None:
+            values = _inputs.of_run(self, kind)
+            _inputs.check_used(self.entry, kind, values)
+            if keras.backend.backend() == "jax":
+                values = _inputs.placed(values)
+            self.inputs[kind] = values
+        return values
 
     def sink(self, kind: str, sown) -> None:
         for name, value in sown.items():
