@@ -24,7 +24,7 @@ from __future__ import annotations
 import keras
 import numpy as np
 
-from callscope import _grads, _keras_compat, _record, _reduce
+from callscope import _backend, _grads, _keras_compat, _record, _reduce
 from callscope._record import OUTPUTS, SOWN
 
 BACKEND = keras.backend.backend()
@@ -73,6 +73,26 @@ def pop_sown(kind, result, run):
     return (main, *rest) if _JAX else main
 
 
+def finalize(collector, kind, args, kwargs) -> dict:
+    """The step's captured values (`collector.finalize()`), as the whole step's under
+    a multi-replica `tf.distribute` strategy (see the module docstring)."""
+    if kind == "predict":  # Keras concatenates predict's replicas itself
+        return collector.finalize()
+    leaf = next((v for v in keras.tree.flatten((args, kwargs)) if hasattr(v, "shape")), None)
+    split = _backend.replica_split(leaf)
+    if split is False and collector.records:
+        # Every replica ran the whole batch with its loss scaled by 1/replicas, and
+        # Keras sums their gradients: one replica's times `replicas` is the step's.
+        replicas = _backend.replicas_in_step()
+        for name, values in collector.records.items():
+            if _record.split_record(name)[2] == "grad":
+                collector.records[name] = [v * replicas for v in values]
+    sown = collector.finalize()
+    if split is None or not sown:
+        return sown
+    return _backend.gather_replicas(sown, split)
+
+
 def check_capture_supported(model, method, specs=()):
     """Raises where a capture would silently lose or average rows, or has no loss."""
     if any("grad" in spec.kinds for spec in specs):
@@ -99,15 +119,6 @@ def check_capture_supported(model, method, specs=()):
             "test, so the other steps' captures would be lost. Compile with "
             "steps_per_execution=1 while capturing (predict concatenates every step and "
             f"works with any value). Received: steps_per_execution={steps}"
-        )
-    replicas = _keras_compat.replicas(model)
-    if replicas > 1:
-        raise ValueError(
-            f"cs.capture cannot run inside `{method}` under a tf.distribute strategy with "
-            f"{replicas} replicas: Keras averages the replicas' step outputs in train and "
-            "test, which would silently mix their rows. Capture with `predict` (it "
-            "concatenates replicas), or outside the strategy. "
-            f"Received: num_replicas_in_sync={replicas}"
         )
 
 
