@@ -12,6 +12,19 @@ A step's result is, per backend and kind:
 SOWN: ...}` for predict), and `popper` wraps the made `*_function` so that Keras's
 loop gets back exactly what the step would have returned without capture.
 
+Under a multi-replica `tf.distribute` strategy, Keras runs the step in each
+replica and reduces train and test outputs with "mean" (`reduce_per_replica`,
+keras 3.15.1 backend/tensorflow/trainer.py `_make_function`), which would average
+the replicas' records. `finalize` therefore joins them inside the step, with
+`ReplicaContext.merge_call` (`_backend.gather_replicas`): it returns one tensor per
+record, the same object in every replica, which tf.distribute's `regroup` leaves
+unwrapped and `reduce_per_replica` passes through. Full records are concatenated
+in replica order (the global batch order), statistics partials get one row per
+replica (the host merges each step's rows exactly: `_reduce.merge_each`). Where every
+replica ran the whole batch (`*_on_batch`), one replica's records are kept and its
+gradients are scaled to the step's. Predict needs none of this: Keras concatenates
+its replicas.
+
 On JAX the default `train_step` differentiates `compute_loss_and_updates`, whose
 aux output is a fixed 4-tuple; values sown inside it are tracers of the
 differentiated trace. `smuggle` carries them out as one extra entry at the end of
