@@ -94,6 +94,15 @@ def train_test(model):
     with cs.capture(model, "*/dense", kinds=("output", "input", "grad")) as cap:
         model.evaluate(X[:9], Y[:9], batch_size=4, verbose=0)
     out["evaluate_full"] = arrays(cap)
+    with cs.capture(model, "*/dense", kinds=("grad",)) as cap:  # last batch: 2 + 1 rows
+        model.evaluate(X[:11], Y[:11], batch_size=4, verbose=0)
+    out["evaluate_split"] = arrays(cap)
+    try:
+        with cs.patch(model, {"seq/dense": np.zeros((16, 1), "float32")}):
+            model.evaluate(X, Y, batch_size=8, verbose=0)
+        out["batch_patch_error"] = None
+    except ValueError as e:
+        out["batch_patch_error"] = str(e)
     bad = X[:9].copy()
     bad[8, 0] = np.nan  # the one-row batch: a NaN in the replica that has data
     with cs.capture(model, "*/dense", kinds=("output", "grad"), reduce=stats, bins=4) as cap:

@@ -84,6 +84,11 @@ def _assert_train_test_same_as_single_device(single, dist):
     # the row differentiates half the loss of its one row: half the gradient.
     _close(full["seq/dense:grad"][:8], ref["seq/dense:grad"][:8])
     _close(full["seq/dense:grad"][8:], np.asarray(ref["seq/dense:grad"][8:]) / 2)
+    # 11 rows in batches of 4: the last batch of 3 splits 2 + 1. Each replica's
+    # rows get 3 / (2 * its rows) times the one-device gradient.
+    grad = np.asarray(single["evaluate_split"]["seq/dense:grad"])
+    _close(dist["evaluate_split"]["seq/dense:grad"],
+           np.concatenate([grad[:8], grad[8:10] * 3 / 4, grad[10:] * 3 / 2]))
     # Statistics: exact merges of the replicas' partials; the empty replica's
     # partials are no data, and the NaN in the one-row batch is counted once.
     stats = dist["evaluate_stats"]
@@ -97,6 +102,9 @@ def _assert_train_test_same_as_single_device(single, dist):
     # A patch (every replica runs it) and a capture after it.
     assert dist["evaluate_patched"] == pytest.approx(single["evaluate_patched"], rel=1e-5)
     _assert_all_close(dist["patched"], single["patched"])
+    # Patches that take the batch need one replica.
+    assert single["batch_patch_error"] is None
+    assert "replicas=2" in dist["batch_patch_error"]
     # *_on_batch: every replica runs the whole batch; the records are one replica's,
     # and the gradient is the step's (each replica's times the replicas).
     assert np.shape(dist["train_on_batch"]["seq/dense:output"]) == (12, 1)
