@@ -163,4 +163,13 @@ else:
     with strategy.scope():
         model = build()
     results["distributed_train_test"] = train_test(model)
+    # Other strategies with several replicas: train/test capture is refused.
+    central = tf.distribute.experimental.CentralStorageStrategy(["/cpu:0", "/cpu:1"])
+    with central.scope():
+        model = build()
+    try:
+        with cs.capture(model, "*/dense"):
+            model.fit(X, Y, epochs=1, batch_size=8, verbose=0)
+    except ValueError as e:
+        results["central_storage_error"] = str(e)
 print("RESULTS " + json.dumps(results))

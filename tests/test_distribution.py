@@ -142,3 +142,5 @@ def test_tf_mirrored_strategy_matches_one_device():
     assert len(results["threads_with_value"]) >= 2, results["threads_with_value"]
     _assert_train_test_same_as_single_device(results["single_train_test"],
                                              results["distributed_train_test"])
+    assert results["central_storage_error"].endswith(
+        "Received: strategy=CentralStorageStrategy"), results.get("central_storage_error")

@@ -75,6 +75,15 @@ def _replica_context():
     return context
 
 
+def is_mirrored(strategy) -> bool:
+    """Is `strategy` a `tf.distribute.MirroredStrategy` (one machine)?"""
+    if BACKEND != "tensorflow":
+        return False
+    import tensorflow as tf
+
+    return isinstance(strategy, tf.distribute.MirroredStrategy)
+
+
 def replicas_in_step() -> int:
     """How many replicas run the step being traced now (1 outside tf.distribute)."""
     context = _replica_context()

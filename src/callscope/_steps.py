@@ -89,8 +89,8 @@ def pop_sown(kind, result, run):
 def finalize(collector, kind, args, kwargs) -> dict:
     """The step's captured values (`collector.finalize()`), as the whole step's under
     a multi-replica `tf.distribute` strategy (see the module docstring)."""
-    if kind == "predict":  # Keras concatenates predict's replicas itself
-        return collector.finalize()
+    if kind == "predict" or not (collector.records or collector.rows is not None):
+        return collector.finalize()  # Keras concatenates predict's replicas itself
     leaf = next((v for v in keras.tree.flatten((args, kwargs)) if hasattr(v, "shape")), None)
     split = _backend.replica_split(leaf)
     if split is False and collector.records:
@@ -132,6 +132,17 @@ def check_capture_supported(model, method, specs=()):
             "test, so the other steps' captures would be lost. Compile with "
             "steps_per_execution=1 while capturing (predict concatenates every step and "
             f"works with any value). Received: steps_per_execution={steps}"
+        )
+    strategy = getattr(model, "distribute_strategy", None)
+    if _keras_compat.replicas(model) > 1 and not _backend.is_mirrored(strategy):
+        # Keras reduces train and test outputs of other strategies otherwise (a
+        # multi-worker strategy all-reduces even the joined records): not verified.
+        raise ValueError(
+            f"cs.capture inside `{method}` under tf.distribute works with "
+            "MirroredStrategy (one machine, several devices), where the replicas' "
+            "records are joined exactly. Capture with `predict`, or train under "
+            "MirroredStrategy while capturing. "
+            f"Received: strategy={type(strategy).__name__}"
         )
 
 
