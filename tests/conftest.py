@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 BACKEND = keras.backend.backend()
-collect_ignore = ["distributed_worker.py"]  # a script run in its own process
+# Scripts run in processes of their own (device counts are fixed per process).
+collect_ignore = ["distributed_worker.py", "multiprocess_worker.py", "sharded_worker.py"]
 
 
 def pytest_configure(config):

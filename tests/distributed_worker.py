@@ -41,8 +41,8 @@ class Probe(keras.layers.Layer):
 
 def build():
     keras.utils.set_random_seed(0)
-    model = cs.Sequential([keras.Input((2,)), keras.layers.Dense(1, name="dense"), Probe()],
-                          name="seq")
+    model = cs.Sequential([keras.Input((2,)), keras.layers.Dense(1, name="dense"),
+                           Probe(name="probe")], name="seq")
     model.register_context_args("debugging")
     model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
     return model
@@ -74,12 +74,73 @@ def run(model):
     out["uneven_rows"] = rows
     out["uneven_stats"] = {k: np.asarray(v).tolist() for k, v in uneven.items()}
     out["uneven_edges"] = uneven.hist_edges("seq/dense:output/hist").tolist()
+    with cs.capture(model, "*/dense*") as cap:
+        model.fit(X, Y, epochs=1, batch_size=8, verbose=0, shuffle=False)
+    out["capture_fit"] = {k: v.tolist() for k, v in cap.items()}
+    return out
+
+
+def arrays(cap):
+    return {k: np.asarray(v).tolist() for k, v in cap.items()}
+
+
+def train_test(model):
+    """TF: captures inside fit, evaluate and *_on_batch (per replica under a
+    strategy, gathered into the global batch)."""
+    out = {}
+    stats = ("mean", "std", "min", "max", "hist", "nan_count")
+    # 9 rows in batches of 4: the last batch has one row; under two replicas the
+    # second replica gets none.
+    with cs.capture(model, "*/dense", kinds=("output", "input", "grad")) as cap:
+        model.evaluate(X[:9], Y[:9], batch_size=4, verbose=0)
+    out["evaluate_full"] = arrays(cap)
+    with cs.capture(model, "*/dense", kinds=("grad",)) as cap:  # last batch: 2 + 1 rows
+        model.evaluate(X[:11], Y[:11], batch_size=4, verbose=0)
+    out["evaluate_split"] = arrays(cap)
     try:
-        with cs.capture(model, "*/dense*") as cap:
-            model.fit(X, Y, epochs=1, batch_size=8, verbose=0, shuffle=False)
-        out["capture_fit"] = {k: v.tolist() for k, v in cap.items()}
+        with cs.patch(model, {"seq/dense": np.zeros((16, 1), "float32")}):
+            model.evaluate(X, Y, batch_size=8, verbose=0)
+        out["batch_patch_error"] = None
     except ValueError as e:
-        out["capture_fit_error"] = str(e)
+        out["batch_patch_error"] = str(e)
+    bad = X[:9].copy()
+    bad[8, 0] = np.nan  # the one-row batch: a NaN in the replica that has data
+    with cs.capture(model, "*/dense", kinds=("output", "grad"), reduce=stats, bins=4) as cap:
+        model.evaluate(bad, Y[:9], batch_size=4, verbose=0)
+    out["evaluate_stats"] = arrays(cap)
+    with cs.patch(model, {"seq/dense": lambda v: v * 2.0}), \
+            cs.capture(model, "*/probe") as cap:
+        out["evaluate_patched"] = float(model.evaluate(X, Y, batch_size=8, verbose=0))
+    out["patched"] = arrays(cap)
+    with cs.capture(model, "*/dense", kinds=("output", "grad")) as cap:
+        model.train_on_batch(X[:6], Y[:6])
+        model.train_on_batch(X[6:12], Y[6:12])
+    out["train_on_batch"] = arrays(cap)
+    with cs.capture(model, "*/dense", kinds=("output", "grad")) as cap:
+        model.test_on_batch(X[:6], Y[:6])
+    out["test_on_batch"] = arrays(cap)
+    # fit: full records, and statistics one row per step. Validation (5 rows in
+    # batches of 4) ends with a one-row batch; a callback's predict is nested.
+    probe = keras.callbacks.LambdaCallback(
+        on_epoch_end=lambda epoch, logs: model.predict(X[:3], verbose=0))
+    with cs.capture(model, "*/dense", kinds=("output", "grad")) as cap:
+        model.fit(X, Y, epochs=1, batch_size=8, verbose=0, shuffle=False)
+    out["fit_full"] = arrays(cap)
+    with cs.capture(model, "*/dense", reduce=stats, bins=4) as cap:
+        hist = model.fit(X, Y, epochs=2, batch_size=8, verbose=0, shuffle=False,
+                         validation_data=(X[:5], Y[:5]), validation_batch_size=4,
+                         callbacks=[probe])
+    out["fit_calls"] = [[c.method, c.nested, arrays(c)] for c in cap.calls]
+    out["fit_val_loss"] = hist.history["val_loss"]
+    with cs.patch(model, {"seq/dense": lambda v: v * 0.5}):
+        hist = model.fit(X, Y, epochs=2, batch_size=8, verbose=0, shuffle=False)
+    out["fit_patched"] = hist.history["loss"]
+    out["weights"] = [np.asarray(keras.ops.convert_to_numpy(w)).tolist() for w in model.weights]
+    # Last: 9 rows in batches of 4. Keras's own update on the one-row batch differs
+    # under two replicas (see the test), so the weights part ways after it.
+    with cs.capture(model, "*/dense", reduce=stats, bins=4) as cap:
+        model.fit(X[:9], Y[:9], epochs=1, batch_size=4, verbose=0, shuffle=False)
+    out["fit_stats"] = arrays(cap)
     return out
 
 
@@ -98,4 +159,17 @@ else:
         model = build()
     results["distributed"] = run(model)
     results["threads_with_value"] = sorted({t for t, v in seen if v is True})
+    results["single_train_test"] = train_test(build())
+    with strategy.scope():
+        model = build()
+    results["distributed_train_test"] = train_test(model)
+    # Other strategies with several replicas: train/test capture is refused.
+    central = tf.distribute.experimental.CentralStorageStrategy(["/cpu:0", "/cpu:1"])
+    with central.scope():
+        model = build()
+    try:
+        with cs.capture(model, "*/dense"):
+            model.fit(X, Y, epochs=1, batch_size=8, verbose=0)
+    except ValueError as e:
+        results["central_storage_error"] = str(e)
 print("RESULTS " + json.dumps(results))

@@ -11,6 +11,7 @@ import pytest
 from conftest import BACKEND
 
 WORKER = Path(__file__).with_name("distributed_worker.py")
+X = np.arange(32, dtype="float32").reshape(16, 2) / 10.0  # the worker's data
 
 
 def _run_worker(engine):
@@ -60,13 +61,86 @@ def test_jax_data_parallel_on_four_cpu_devices_matches_one_device():
                                    rtol=1e-4, atol=1e-6)
 
 
+def _close(actual, desired, rtol=1e-5):
+    np.testing.assert_allclose(np.asarray(actual, dtype=float), np.asarray(desired, dtype=float),
+                               rtol=rtol, atol=1e-6)
+
+
+def _assert_all_close(actual, desired, rtol=1e-5):
+    assert actual.keys() == desired.keys()
+    for key, value in desired.items():
+        _close(actual[key], value, rtol)
+
+
+def _assert_train_test_same_as_single_device(single, dist):
+    # evaluate, 9 rows in batches of 4: full records in global batch order. The
+    # last batch has one row, so the second replica gets none.
+    full, ref = dist["evaluate_full"], single["evaluate_full"]
+    assert np.shape(full["seq/dense:input"]) == (9, 2)
+    _close(full["seq/dense:input"], X[:9])
+    _close(full["seq/dense:output"], ref["seq/dense:output"])
+    # d loss / d output: Keras scales each replica's loss by 1/replicas, so an even
+    # split gives the single-device gradient; in the one-row batch the replica with
+    # the row differentiates half the loss of its one row: half the gradient.
+    _close(full["seq/dense:grad"][:8], ref["seq/dense:grad"][:8])
+    _close(full["seq/dense:grad"][8:], np.asarray(ref["seq/dense:grad"][8:]) / 2)
+    # 11 rows in batches of 4: the last batch of 3 splits 2 + 1. Each replica's
+    # rows get 3 / (2 * its rows) times the one-device gradient.
+    grad = np.asarray(single["evaluate_split"]["seq/dense:grad"])
+    _close(dist["evaluate_split"]["seq/dense:grad"],
+           np.concatenate([grad[:8], grad[8:10] * 3 / 4, grad[10:] * 3 / 2]))
+    # Statistics: exact merges of the replicas' partials; the empty replica's
+    # partials are no data, and the NaN in the one-row batch is counted once.
+    stats = dist["evaluate_stats"]
+    _assert_all_close(stats, single["evaluate_stats"])
+    dense = np.asarray(ref["seq/dense:output"][:8], dtype=np.float64)
+    for stat, value in (("mean", dense.mean()), ("std", dense.std()), ("min", dense.min()),
+                        ("max", dense.max()), ("nan_count", 1.0)):
+        assert stats[f"seq/dense:output/{stat}"] == pytest.approx(value, rel=1e-5)
+    assert sum(stats["seq/dense:output/hist"]) == 8
+    assert stats["seq/dense:grad/nan_count"] == 1.0
+    # A patch (every replica runs it) and a capture after it.
+    assert dist["evaluate_patched"] == pytest.approx(single["evaluate_patched"], rel=1e-5)
+    _assert_all_close(dist["patched"], single["patched"])
+    # Patches that take the batch need one replica.
+    assert single["batch_patch_error"] is None
+    assert "replicas=2" in dist["batch_patch_error"]
+    # *_on_batch: every replica runs the whole batch; the records are one replica's,
+    # and the gradient is the step's (each replica's times the replicas).
+    assert np.shape(dist["train_on_batch"]["seq/dense:output"]) == (12, 1)
+    _assert_all_close(dist["train_on_batch"], single["train_on_batch"])
+    _assert_all_close(dist["test_on_batch"], single["test_on_batch"])
+    # fit: full records (even splits: gradients too).
+    assert np.shape(dist["fit_full"]["seq/dense:grad"]) == (16, 1)
+    _assert_all_close(dist["fit_full"], single["fit_full"], rtol=1e-4)
+    # Statistics are one row per global step; validation and a callback's predict
+    # are calls of their own, nested (validation's last batch has an empty replica).
+    methods = [(m, nested) for m, nested, _ in dist["fit_calls"]]
+    assert methods == [("fit", False), ("evaluate", True), ("predict", True),
+                       ("evaluate", True), ("predict", True)]
+    assert np.shape(dist["fit_calls"][0][2]["seq/dense:output/hist"]) == (4, 4)
+    assert methods == [(m, nested) for m, nested, _ in single["fit_calls"]]
+    for (_, _, got), (_, _, want) in zip(dist["fit_calls"], single["fit_calls"]):
+        _assert_all_close(got, want, rtol=1e-4)
+    _close(dist["fit_val_loss"], single["fit_val_loss"], rtol=1e-4)
+    _close(dist["fit_patched"], single["fit_patched"], rtol=1e-4)
+    for a, b in zip(dist["weights"], single["weights"]):
+        _close(a, b, rtol=1e-4)
+    # 9 rows in batches of 4: the last step's second replica has no rows.
+    assert np.shape(dist["fit_stats"]["seq/dense:output/mean"]) == (3,)
+    _assert_all_close(dist["fit_stats"], single["fit_stats"], rtol=1e-4)
+
+
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="tf.distribute is TensorFlow's engine")
-def test_tf_mirrored_strategy_value_reaches_every_replica():
+def test_tf_mirrored_strategy_matches_one_device():
     results = _run_worker("tensorflow")
     assert results["devices"] == 2
     _assert_same_as_single_device(results)
-    # Train/test capture would be averaged across replicas by Keras: refused.
-    assert "num_replicas_in_sync=2" in results["distributed"]["capture_fit_error"]
-    assert "capture_fit" in results["single"]
+    for key, value in results["single"]["capture_fit"].items():
+        _close(results["distributed"]["capture_fit"][key], value, rtol=1e-4)
     # Each replica function is traced in its own thread; each saw the value.
     assert len(results["threads_with_value"]) >= 2, results["threads_with_value"]
+    _assert_train_test_same_as_single_device(results["single_train_test"],
+                                             results["distributed_train_test"])
+    assert results["central_storage_error"].endswith(
+        "Received: strategy=CentralStorageStrategy"), results.get("central_storage_error")

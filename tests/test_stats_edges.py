@@ -199,6 +199,26 @@ def test_merge_skips_rows_with_no_data_even_if_their_mean_is_nan():
         assert _reduce.finalize(merged, "frac_zero") == pytest.approx(0.2)
 
 
+def test_merge_each_gives_one_row_per_step_from_its_replicas_rows():
+    # Under tf.distribute a step's partials have one row per replica; an idle
+    # replica's row is no data.
+    a, b, c = [0.5, -2.0, 3.0], [1.0, 0.0], [4.0, np.nan]
+    empty = dict(_partials_of([]), mean=np.nan, m2=np.nan)
+    steps = [_rows(_partials_of(a), _partials_of(b)), _rows(_partials_of(c), empty)]
+    with np.errstate(all="raise"), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        merged = _reduce.merge_each(steps)
+    for stat, want in (("mean", [np.mean(a + b), 4.0]), ("std", [np.std(a + b), 0.0]),
+                       ("min", [-2.0, 4.0]), ("nan_count", [0, 1])):
+        np.testing.assert_allclose(_reduce.per_step(merged, stat), want, rtol=1e-6)
+    assert _reduce.per_step(merged, "hist").shape == (2, BINS)
+    np.testing.assert_array_equal(_reduce.per_step(merged, "hist").sum(axis=1), [5, 1])
+    # One row per step (one device): the rows themselves, stacked.
+    single = _reduce.merge_each([_rows(_partials_of(a)), _rows(_partials_of(b))])
+    np.testing.assert_allclose(_reduce.per_step(single, "mean"), [np.mean(a), np.mean(b)],
+                               rtol=1e-6)
+
+
 def test_merge_with_no_data_at_all_gives_nan_without_warnings():
     rows = _rows(_partials_of([np.nan, np.inf]), dict(_partials_of([]), mean=np.nan))
     with np.errstate(all="raise"), warnings.catch_warnings():

@@ -61,6 +61,83 @@ def is_symbolic(leaves) -> bool:
     return False
 
 
+def _replica_context():
+    """The replica context of a multi-replica `tf.distribute` step running now, or
+    None (other backends, one replica, cross-replica context)."""
+    if BACKEND != "tensorflow":
+        return None
+    import tensorflow as tf
+
+    if tf.distribute.in_cross_replica_context():
+        return None
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return None
+    return context
+
+
+def is_mirrored(strategy) -> bool:
+    """Is `strategy` a `tf.distribute.MirroredStrategy` (one machine)?"""
+    if BACKEND != "tensorflow":
+        return False
+    import tensorflow as tf
+
+    return isinstance(strategy, tf.distribute.MirroredStrategy)
+
+
+def replicas_in_step() -> int:
+    """How many replicas run the step being traced now (1 outside tf.distribute)."""
+    context = _replica_context()
+    return 1 if context is None else context.num_replicas_in_sync
+
+
+def replica_split(leaf) -> bool | None:
+    """Inside a replica of a multi-replica `tf.distribute` step: did each replica
+    get its own part of the batch (True: `leaf`, a tensor of the step's data,
+    differs across replicas, as in fit and evaluate) or every replica the whole
+    batch (False: Keras's `*_on_batch` hand one batch to `strategy.run`)? None
+    elsewhere. Decided while tracing; it adds nothing to the graph."""
+    context = _replica_context()
+    if context is None:
+        return None
+    if leaf is None:
+        return True
+    import tensorflow as tf
+
+    return context.merge_call(
+        lambda strategy, value: isinstance(value, tf.distribute.DistributedValues),
+        args=(leaf,))
+
+
+def gather_replicas(sown: dict, split: bool) -> dict:
+    """A replica's captured values as the whole step's, under `tf.distribute`.
+
+    Keras averages a train or test step's outputs across replicas (`reduce_per_replica`
+    with "auto": "mean" on MirroredStrategy), which would mix their rows. This hands
+    the records to `ReplicaContext.merge_call`: in cross-replica context, each
+    record's replica parts are concatenated along axis 0 in replica order, the global
+    batch order (`split`; statistics partials get one row per replica, merged exactly
+    on the host), or, where every replica ran the whole batch (not `split`), the
+    first replica's are kept. Every replica then returns that one tensor, which
+    `regroup` leaves unwrapped and Keras passes through unreduced. Call it only
+    where `replica_split` is not None.
+    """
+    import tensorflow as tf
+
+    def whole(strategy, values):
+        def join(value):
+            parts = list(strategy.experimental_local_results(value))
+            if not split:
+                return parts[0]
+            if len(parts) == 1:  # one tensor seen by every replica: each recorded it
+                parts = parts * strategy.num_replicas_in_sync
+            return tf.concat(parts, axis=0)
+
+        return tf.nest.map_structure(join, values)
+
+    return _replica_context().merge_call(whole, args=(sown,))
+
+
 def place_like(array, like):
     """`array` as a fresh JAX buffer placed like `like` (same sharding): Keras
     donates a step's state, so each step gets its own."""

@@ -83,7 +83,7 @@ def step_closure(model, kind, values, specs, patches, reads, hits, used):
                     result = step(model, *args, **kwargs)
                 result = _steps.unsmuggle(result, collector)
                 model._cs_note_points(collector, active, hits)
-                sown = collector.finalize()
+                sown = _steps.finalize(collector, kind, args, kwargs)
                 return _steps.attach(kind, result, sown) if sown else result
 
     scoped_step.__name__ = f"{kind}_step"

@@ -156,6 +156,15 @@ def merge(rows: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     return merged
 
 
+def merge_each(steps: list[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """One row per step: each step's partials (one row, or one per replica under
+    `tf.distribute`) merged exactly, stacked along a new step axis."""
+    if all(len(next(iter(step.values()))) == 1 for step in steps):
+        return {k: np.concatenate([step[k] for step in steps]) for k in steps[0]}
+    merged = [merge(step) for step in steps]
+    return {k: np.stack([m[k] for m in merged]) for k in merged[0]}
+
+
 def finalize(part: Mapping[str, np.ndarray], stat: str) -> np.ndarray:
     """The statistic `stat` from (merged or per-step) partials.
 

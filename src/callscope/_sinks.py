@@ -155,9 +155,9 @@ def read(calls: list[Call], key: str) -> np.ndarray:
                 rows += call._rows[base]
         if not rows or stat not in spec.stats:
             raise KeyError(missing(key, calls))
-        stacked = {k: np.concatenate([r[k] for r in rows]) for k in rows[0]}
         if calls[0]._per_step:
-            return _reduce.per_step(stacked, stat)
+            return _reduce.per_step(_reduce.merge_each(rows), stat)
+        stacked = {k: np.concatenate([r[k] for r in rows]) for k in rows[0]}
         return _reduce.finalize(_reduce.merge(stacked), stat)
     parts = []
     for call in calls:

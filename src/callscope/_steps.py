@@ -12,6 +12,19 @@ A step's result is, per backend and kind:
 SOWN: ...}` for predict), and `popper` wraps the made `*_function` so that Keras's
 loop gets back exactly what the step would have returned without capture.
 
+Under a multi-replica `tf.distribute` strategy, Keras runs the step in each
+replica and reduces train and test outputs with "mean" (`reduce_per_replica`,
+keras 3.15.1 backend/tensorflow/trainer.py `_make_function`), which would average
+the replicas' records. `finalize` therefore joins them inside the step, with
+`ReplicaContext.merge_call` (`_backend.gather_replicas`): it returns one tensor per
+record, the same object in every replica, which tf.distribute's `regroup` leaves
+unwrapped and `reduce_per_replica` passes through. Full records are concatenated
+in replica order (the global batch order), statistics partials get one row per
+replica (the host merges each step's rows exactly: `_reduce.merge_each`). Where every
+replica ran the whole batch (`*_on_batch`), one replica's records are kept and its
+gradients are scaled to the step's. Predict needs none of this: Keras concatenates
+its replicas.
+
 On JAX the default `train_step` differentiates `compute_loss_and_updates`, whose
 aux output is a fixed 4-tuple; values sown inside it are tracers of the
 differentiated trace. `smuggle` carries them out as one extra entry at the end of
@@ -87,6 +100,26 @@ def gathered_outputs(kind, result):
     return (outputs, *rest) if _JAX else outputs
 
 
+def finalize(collector, kind, args, kwargs) -> dict:
+    """The step's captured values (`collector.finalize()`), as the whole step's under
+    a multi-replica `tf.distribute` strategy (see the module docstring)."""
+    if kind == "predict" or not (collector.records or collector.rows is not None):
+        return collector.finalize()  # Keras concatenates predict's replicas itself
+    leaf = next((v for v in keras.tree.flatten((args, kwargs)) if hasattr(v, "shape")), None)
+    split = _backend.replica_split(leaf)
+    if split is False and collector.records:
+        # Every replica ran the whole batch with its loss scaled by 1/replicas, and
+        # Keras sums their gradients: one replica's times `replicas` is the step's.
+        replicas = _backend.replicas_in_step()
+        for name, values in collector.records.items():
+            if _record.split_record(name)[2] == "grad":
+                collector.records[name] = [v * replicas for v in values]
+    sown = collector.finalize()
+    if split is None or not sown:
+        return sown
+    return _backend.gather_replicas(sown, split)
+
+
 def check_capture_supported(model, method, specs=()):
     """Raises where a capture would silently lose or average rows, or has no loss."""
     if any("grad" in spec.kinds for spec in specs):
@@ -114,14 +147,16 @@ def check_capture_supported(model, method, specs=()):
             "steps_per_execution=1 while capturing (predict concatenates every step and "
             f"works with any value). Received: steps_per_execution={steps}"
         )
-    replicas = _keras_compat.replicas(model)
-    if replicas > 1:
+    strategy = getattr(model, "distribute_strategy", None)
+    if _keras_compat.replicas(model) > 1 and not _backend.is_mirrored(strategy):
+        # Keras reduces train and test outputs of other strategies otherwise (a
+        # multi-worker strategy all-reduces even the joined records): not verified.
         raise ValueError(
-            f"cs.capture cannot run inside `{method}` under a tf.distribute strategy with "
-            f"{replicas} replicas: Keras averages the replicas' step outputs in train and "
-            "test, which would silently mix their rows. Capture with `predict` (it "
-            "concatenates replicas), or outside the strategy. "
-            f"Received: num_replicas_in_sync={replicas}"
+            f"cs.capture inside `{method}` under tf.distribute works with "
+            "MirroredStrategy (one machine, several devices), where the replicas' "
+            "records are joined exactly. Capture with `predict`, or train under "
+            "MirroredStrategy while capturing. "
+            f"Received: strategy={type(strategy).__name__}"
         )
 
 
