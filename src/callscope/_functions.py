@@ -66,20 +66,21 @@ def step_closure(model, kind, values, specs, patches, reads, hits):
     in `hits` (checked when each run ends).
     """
     step = getattr(type(model), f"{kind}_step")
+    resolved = _record.Resolved()  # selections and ranges, once per key (torch: not per step)
 
     def scoped_step(*args, **kwargs):
         with _scope.pushed(_scope.sealed(values, reads)):
             if not specs and not patches:
                 return step(model, *args, **kwargs)
             offset = model._cs.rows_offset if patches else None
-            with _record.collecting_for(specs, kind) as collector, \
+            with _record.collecting_for(specs, kind, resolved) as collector, \
                     _record.patching(patches, offset) as active:
                 if collector.wants_grads and kind != "predict":
                     result = _steps.step_with_grads(model, kind, step, args, kwargs, collector)
                 else:
                     result = step(model, *args, **kwargs)
                 result = _steps.unsmuggle(result, collector)
-                model._cs_note_points(collector, active, hits)
+                model._cs_note_points(collector, active, hits, resolved)
                 sown = collector.finalize()
                 return _steps.attach(kind, result, sown) if sown else result
 
