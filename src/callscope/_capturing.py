@@ -140,14 +140,19 @@ class CaptureMixin:
         run.sink("call", sown)
         return outputs
 
-    def _cs_note_points(self, collector, active, hits: set) -> None:
+    def _cs_note_points(self, collector, active, hits: set, resolved=None) -> None:
         """What a trace learned: its points (for error messages), the points it
-        found inside loops, and the patched points it reached."""
+        found inside loops, and the patched points it reached. The points are
+        noted once per key (`resolved`): torch runs the step's Python every step."""
+        hits.update(active.hits if active else ())
+        if resolved is not None:
+            if resolved.noted:
+                return
+            resolved.noted = True
         state = self._cs
         state.seen.update(dict.fromkeys(p for _, p, _, v, _ in collector.tree
                                         if v is not _record.LOOP))
         state.loops.update(collector.loops)
-        hits.update(active.hits if active else ())
 
     def _cs_check_reached(self, run, hits: set) -> None:
         """A patch that this run's traces never reached is an error, at its end."""

@@ -24,6 +24,7 @@ the call is written to the model:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import threading
 from collections.abc import Mapping
@@ -215,6 +216,12 @@ class Engine(CaptureMixin):
             _steps.check_capture_supported(self, method, tuple(c.spec for c in captures))
         if captures or patches:
             specs = self._cs_prepare_capture(captures, first_x(args, kwargs))
+            if _keras_compat.is_fit_validation(method, kwargs):
+                # fit's validation records what the capture asks but gradients:
+                # they would cost a backward pass per validation step.
+                specs = tuple(dataclasses.replace(s, kinds=tuple(k for k in s.kinds
+                                                                 if k != "grad"))
+                              for s in specs)
             if specs:
                 key = (*key, (CAPTURE, specs))
             if patches:
@@ -292,7 +299,7 @@ class Engine(CaptureMixin):
         with contextlib.ExitStack() as stack:
             for gate in state.gates(method):
                 stack.enter_context(gate.held())
-            snapshot = _keras_compat.snapshot_variable_values(self)  # under the gate
+            snapshot = _keras_compat.snapshot_variable_values(self, method)  # under the gate
             try:
                 with _scope.pushed(frame), _scope.running(run):
                     return getattr(super(), method)(*args, **kwargs)

@@ -67,6 +67,7 @@ def step_closure(model, kind, values, specs, patches, reads, hits, used):
     ranges are inputs of the step (`_inputs.py`); the names it reads go in `used`.
     """
     step = getattr(type(model), f"{kind}_step")
+    resolved = _record.Resolved()  # selections, once per key (torch: not per step)
 
     def scoped_step(*args, **kwargs):
         with _scope.pushed(_scope.sealed(values, reads)):
@@ -74,7 +75,7 @@ def step_closure(model, kind, values, specs, patches, reads, hits, used):
                 return step(model, *args, **kwargs)
             offset = model._cs.rows_offset if patches else None
             args, inputs = _inputs.unwrap(model, args, used)
-            with _record.collecting_for(specs, kind) as collector, \
+            with _record.collecting_for(specs, kind, resolved) as collector, \
                     _record.patching(patches, offset, inputs) as active:
                 collector.inputs = inputs
                 if collector.wants_grads and kind != "predict":
@@ -82,7 +83,7 @@ def step_closure(model, kind, values, specs, patches, reads, hits, used):
                 else:
                     result = step(model, *args, **kwargs)
                 result = _steps.unsmuggle(result, collector)
-                model._cs_note_points(collector, active, hits)
+                model._cs_note_points(collector, active, hits, resolved)
                 sown = _steps.finalize(collector, kind, args, kwargs)
                 return _steps.attach(kind, result, sown) if sown else result
 

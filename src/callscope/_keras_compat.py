@@ -143,6 +143,12 @@ def add_hidden_state(model, variable):
 PRIVATE_EVALUATE_ARGUMENTS = frozenset({"_use_cached_eval_dataset"})
 
 
+def is_fit_validation(method, kwargs):
+    """Is this `evaluate` the validation that `fit` runs (3.15.1: only fit passes
+    `_use_cached_eval_dataset=True`, backend/*/trainer.py fit)?"""
+    return method == "evaluate" and bool(kwargs.get("_use_cached_eval_dataset"))
+
+
 def peek_batch(args) -> tuple:
     """(the batch a made function's first step will see, the arguments to call it
     with, its JAX state or None). Keras 3.15.1 passes: JAX `(state, iterator)`
@@ -337,14 +343,20 @@ def unbake_functional_defaults(model, names):
 # --------------------------------------------------------------------------
 # JAX purge recovery (keras 3.15.1: backend/jax/trainer.py:453-460, 1009-1037)
 # --------------------------------------------------------------------------
-def snapshot_variable_values(model):
-    """References to every variable's current value, before a JAX call.
+_PURGING = ("fit", "evaluate", "predict")  # backend/jax/trainer.py:458, 614, 720
+
+
+def snapshot_variable_values(model, method):
+    """References to every variable's current value, before a JAX call of `method`.
 
     JAX `fit`/`evaluate`/`predict` purge `Variable._value` to None while their
     loop runs and restore it at the end; an exception inside the loop leaves the
-    model with no weights. Checked against 3.15.1.
+    model with no weights. The `*_on_batch` methods never purge
+    (`purge_model_variables=False`, backend/jax/trainer.py:784, 832, 863), and
+    other backends never do: there it is `()`, with no O(#variables) walk per
+    call. Checked against 3.15.1.
     """
-    if keras.backend.backend() != "jax":
+    if keras.backend.backend() != "jax" or method not in _PURGING:
         return ()
     variables = list(model.variables)
     optimizer = getattr(model, "optimizer", None)

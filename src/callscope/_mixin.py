@@ -10,6 +10,7 @@ entry points and compiled functions are the engine's (`_engine.py`).
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -290,5 +291,13 @@ def _direct_call_parameters(model) -> set[str] | None:
     """
     if not isinstance(model, _STRICT_KWARGS_CLASSES):
         return None
-    params = inspect.signature(type(model).call).parameters
-    return {n for n, p in params.items() if p.kind is not p.VAR_KEYWORD and n != "self"}
+    cls = type(model)
+    names = _CALL_PARAMETERS.get(cls)
+    if names is None:  # once per class: `inspect.signature` costs ~10 us a call
+        params = inspect.signature(cls.call).parameters
+        names = _CALL_PARAMETERS[cls] = frozenset(
+            n for n, p in params.items() if p.kind is not p.VAR_KEYWORD and n != "self")
+    return names
+
+
+_CALL_PARAMETERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

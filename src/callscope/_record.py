@@ -78,13 +78,33 @@ class _Frame(NamedTuple):
 # --------------------------------------------------------------------------
 # The in-step collector
 # --------------------------------------------------------------------------
+class Resolved:
+    """What a key's steps resolve once and look up after: which specs select a
+    point, and each key's histogram range.
+
+    A point's name comes from the call stack at run time, but for one key (its
+    specs are part of it) the same point of the same layer always selects the
+    same way, so the globs (or a `select` callable) run once per point, not once
+    per step: torch runs a step's Python every step. A compiled step's trace
+    runs them once anyway.
+    """
+
+    def __init__(self):
+        # (point, kind, id(layer), sown, parent, id(root)) -> (layer, ((index,
+        # point as the spec names it, records it, grad source), ...))
+        self.selection: dict[tuple, tuple] = {}
+        self.noted = False  # the points of a step were noted (`_cs_note_points`)
+
+
 class Collector:
     """Names points and records what the active specs select, during one step or
     one eager call."""
 
-    def __init__(self, specs: tuple[Spec, ...], kind: str = "call"):
+    def __init__(self, specs: tuple[Spec, ...], kind: str = "call",
+                 resolved: Resolved | None = None):
         self.specs = specs
         self.kind = kind  # train, test, predict or call: which histogram ranges apply
+        self.resolved = resolved if resolved is not None else Resolved()
         self.records: dict[str, list] = {}
         self.stack: list[_Frame] = []
         self.owners: dict[str, int] = {}  # point -> id(layer): instances never share
@@ -167,8 +187,29 @@ class Collector:
         perturbation active (JAX), the returned value is `value + perturbation`, so
         the gradient with respect to the perturbation is d loss / d value.
         """
+        for index, named, records, grads in self._selection(point, layer, kind, sown, parent):
+            if records:
+                self.records.setdefault(f"{index}|{named}|{kind}", []).append(value)
+            if grads:
+                sources = self.grad_sources.setdefault(f"{index}|{named}|grad", [])
+                name = f"{index}|{named}|{len(sources)}"
+                if self.perturbations is not None and name in self.perturbations:
+                    value = value + self.perturbations[name]
+                if self.on_grad_source is not None:
+                    value = self.on_grad_source(value)
+                sources.append(value)
+        return value
+
+    def _selection(self, full: str, layer, kind: str, sown: bool, parent) -> tuple:
+        """((spec index, point as it names it, records it, grad source), ...) of the
+        specs that select `full`; resolved once per key (`Resolved`)."""
+        root = id(self.stack[0].layer) if self.stack else 0
+        cache_key = (full, kind, id(layer), sown, parent, root)
+        hit = self.resolved.selection.get(cache_key)
+        if hit is not None and hit[0] is layer:
+            return hit[1]
         base_kind = kind.partition("/")[0]
-        full = point
+        found = []
         for index, spec in enumerate(self.specs):
             point = self.relative(full, spec.owner, None if sown else layer, parent or full)
             if point is None:
@@ -177,17 +218,11 @@ class Collector:
             if not (spec.selects(point, layer, sown)
                     or (whole is not None and spec.selects(whole, layer, sown))):
                 continue
-            if base_kind in spec.kinds:
-                self.records.setdefault(f"{index}|{point}|{kind}", []).append(value)
-            if kind == "output" and "grad" in spec.kinds:
-                sources = self.grad_sources.setdefault(f"{index}|{point}|grad", [])
-                name = f"{index}|{point}|{len(sources)}"
-                if self.perturbations is not None and name in self.perturbations:
-                    value = value + self.perturbations[name]
-                if self.on_grad_source is not None:
-                    value = self.on_grad_source(value)
-                sources.append(value)
-        return value
+            grads = kind == "output" and "grad" in spec.kinds
+            if base_kind in spec.kinds or grads:
+                found.append((index, point, base_kind in spec.kinds, grads))
+        self.resolved.selection[cache_key] = (layer, tuple(found))
+        return tuple(found)
 
     def grad_source_list(self) -> list[tuple[str, Any]]:
         """(`index|point|n`, tensor) for every gradient source, in call order."""
@@ -270,9 +305,11 @@ def active_collector() -> Collector | None:
 
 
 @contextlib.contextmanager
-def collecting_for(specs: tuple[Spec, ...], kind: str = "call") -> Iterator[Collector]:
-    """Opens a collector for `specs` in this context (inside a `kind` step, or eagerly)."""
-    collector = Collector(specs, kind)
+def collecting_for(specs: tuple[Spec, ...], kind: str = "call",
+                   resolved: Resolved | None = None) -> Iterator[Collector]:
+    """Opens a collector for `specs` in this context (inside a `kind` step, or
+    eagerly); `resolved` is what the key's earlier steps resolved."""
+    collector = Collector(specs, kind, resolved)
     token = _COLLECTOR.set(collector)
     try:
         yield collector
@@ -317,7 +354,7 @@ def collecting() -> Iterator[Collected]:
     if outer is None:
         yield result
         return
-    with collecting_for(outer.specs, outer.kind) as inner:
+    with collecting_for(outer.specs, outer.kind, outer.resolved) as inner:
         # One naming for the whole step: the same stack, owners and loop points.
         inner.stack, inner.owners, inner.loops = list(outer.stack), outer.owners, outer.loops
         inner.tree = outer.tree
@@ -439,7 +476,9 @@ class RecordingCall:
 
     @property
     def __signature__(self):
-        return inspect.signature(self.__wrapped__)
+        if self._parameters is None:  # Keras inspects `layer.call`: made once
+            self._parameters = inspect.signature(self.__wrapped__)
+        return self._parameters
 
     def __call__(self, *args, **kwargs):
         original = self.__wrapped__
@@ -484,11 +523,10 @@ class RecordingCall:
 
     def _arguments(self, args, kwargs) -> list[tuple[str, Any]]:
         """(argument name[/element], tensor) for every tensor the call received."""
-        if self._parameters is None:
-            self._parameters = inspect.signature(self.__wrapped__)
+        signature = self.__signature__
         try:
-            bound = self._parameters.bind(*args, **kwargs).arguments
-            kinds = {n: p.kind for n, p in self._parameters.parameters.items()}
+            bound = signature.bind(*args, **kwargs).arguments
+            kinds = {n: p.kind for n, p in signature.parameters.items()}
         except TypeError:
             bound, kinds = {**{str(i): a for i, a in enumerate(args)}, **kwargs}, {}
         named = []
@@ -514,6 +552,10 @@ def _is_tensor(value) -> bool:
 
 
 def _symbolic(args, kwargs) -> bool:
+    # The common call, one tensor and flags: no tree walk (torch runs this every step).
+    if len(args) == 1 and _is_tensor(args[0]) and not any(
+            isinstance(v, list | tuple | dict) or _is_tensor(v) for v in kwargs.values()):
+        return _backend.is_symbolic(args)
     return _backend.is_symbolic(keras.tree.flatten((args, kwargs)))
 
 

@@ -31,7 +31,7 @@ def _zeros(collector, forward, *args) -> dict:
     """A zero perturbation per gradient source `forward(*args)` would record."""
 
     def probe(*args):
-        with _record.collecting_for(collector.specs) as inner:
+        with _record.collecting_for(collector.specs, resolved=collector.resolved) as inner:
             inner.manual = collector.manual
             forward(*args)
             return dict(inner.grad_source_list())
