@@ -45,12 +45,17 @@ class Run:
     replicated: bool = False  # under a tf.distribute strategy with several replicas
     offset: Any = None  # RowOffset, for patches that take the batch
     ranges: tuple = ()  # specs whose histogram ranges the first step fixes
+    host: Any = None  # _sinks.Landing: the calls' values on their way to the host
 
     def sink(self, kind: str, sown) -> None:
-        for name, value in sown.items():
-            if "|" in name:
-                index, key = name.split("|", 1)
-                self.calls[int(index)].add(kind, key, value)
+        """A step's captured values (`"index|key"` names) to the calls' sinks."""
+        if self.host is not None:
+            self.host.put(kind, sown)
+
+    def end(self, error: BaseException | None = None) -> None:
+        """The run ended (or raised `error`): the last values land, files close."""
+        if self.host is not None:
+            self.host.end(error)
 
 
 class RowOffset:
