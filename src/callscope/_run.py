@@ -31,6 +31,10 @@ from callscope import _keras_compat
 
 
 
+# What stops each kind of Keras loop after its current step (public attributes).
+_STOP = {"train": "stop_training", "test": "stop_evaluating", "predict": "stop_predicting"}
+
+
 @dataclass(frozen=True, eq=False)
 class Run:
     """One call of a model (see the module docstring). Immutable but for its sinks."""
@@ -48,9 +52,10 @@ class Run:
     host: Any = None  # _sinks.Landing: the calls' values on their way to the host
 
     def sink(self, kind: str, sown) -> None:
-        """A step's captured values (`"index|key"` names) to the calls' sinks."""
-        if self.host is not None:
-            self.host.put(kind, sown)
+        """A step's captured values (`"index|key"` names) to the calls' sinks. If a
+        sink failed, Keras's loop stops at its next step, and `end` raises."""
+        if self.host is not None and not self.host.put(kind, sown) and kind in _STOP:
+            setattr(self.model, _STOP[kind], True)
 
     def end(self, error: BaseException | None = None) -> None:
         """The run ended (or raised `error`): the last values land, files close."""

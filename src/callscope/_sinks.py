@@ -106,26 +106,38 @@ class HostBuffer:
 # --------------------------------------------------------------------------
 class Landing:
     """One run's path to the host (see the module docstring): `put` each step's
-    captured values as the step returns, `end` when the run ends or fails."""
+    captured values as the step returns, `end` when the run ends or fails.
+
+    `put` never raises: it runs inside Keras's loop, where an exception would lose
+    the JAX loop's state (its weights are donated to each step). A failure (the
+    writer's, or a streamed key that changed shape) stops the sinks, `put`
+    returns False so that the run can stop its loop, and `end` raises it.
+    """
 
     def __init__(self, calls: tuple):
         self.calls = calls
         self._pending = None  # (kind, structure, handles) of the step still on its way
         self._lock = threading.RLock()  # a capture may be read from another thread
         self._writer: Writer | None = None
+        self._failure: Exception | None = None
         for call in calls:
             call._landing = self
 
-    def put(self, kind: str, sown: Mapping) -> None:
+    def put(self, kind: str, sown: Mapping) -> bool:
         values = {name: value for name, value in sown.items() if "|" in name}
-        if not values:
-            return
+        if self._failure is not None or not values:
+            return self._failure is None
         with self._lock:
-            self.land()  # the previous step's values: their copy has had a step's time
-            leaves = keras.tree.flatten(values)
-            self._pending = (kind, values, _backend.start_host_copy(leaves))
-            if not _backend.copy_lags(leaves):
-                self.land()
+            try:
+                self.land()  # the previous step's values: their copy had a step's time
+                leaves = keras.tree.flatten(values)
+                self._pending = (kind, values, _backend.start_host_copy(leaves))
+                if not _backend.copy_lags(leaves):
+                    self.land()
+            except Exception as failure:
+                self._failure, self._pending = failure, None
+                return False
+        return True
 
     def land(self) -> None:
         """The pending step's values into the calls' buffers (waits for them)."""
@@ -157,23 +169,30 @@ class Landing:
         return self._writer
 
     def end(self, error: BaseException | None = None) -> None:
-        """Lands the last step, flushes and closes the files. After a failure
-        (`error`), what goes wrong here is added to that error as a note."""
+        """Lands the last step, flushes and closes the files, and raises what
+        failed. After a failure of the run (`error`), adds it to that as a note."""
         with self._lock:
-            try:
+            problems = [self._failure] if self._failure is not None else []
+            for finish in (self.land, self._release, self._close_writer):
                 try:
-                    self.land()
-                finally:
-                    for call in self.calls:
-                        call._landing = None
-                        for buffer in call._full.values():
-                            buffer.trim()
-                    if self._writer is not None:
-                        self._writer.close()
-            except Exception as problem:
-                if error is None:
-                    raise
-                error.add_note(f"callscope could not finish the capture: {problem}")
+                    finish()
+                except Exception as problem:
+                    problems.append(problem)
+        if not problems:
+            return
+        if error is None:
+            raise problems[0]
+        error.add_note(f"callscope could not finish the capture: {problems[0]}")
+
+    def _release(self) -> None:
+        for call in self.calls:
+            call._landing = None
+            for buffer in call._full.values():
+                buffer.trim()
+
+    def _close_writer(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
 
 
 # --------------------------------------------------------------------------
@@ -353,6 +372,9 @@ def read(calls: list[Call], key: str) -> np.ndarray:
             parts.append(assemble(call._dir, call._files[key]))
         elif call._dir is not None and key in call._files:
             entry = call._files[key]
+            if not entry["rows"]:  # nothing reached the disk (mmap refuses 0 bytes)
+                parts.append(np.empty((0, *entry["row"]), entry["dtype"]))
+                continue
             parts.append(np.memmap(os.path.join(call._dir, entry["file"]), dtype=entry["dtype"],
                                    mode="r", shape=(entry["rows"], *entry["row"])))
         elif key in call._full:
