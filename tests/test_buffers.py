@@ -281,3 +281,28 @@ def test_a_run_that_fails_still_closes_its_files(tmp_path):
     wide = cs.load_capture(tmp_path / "caps")["m/wide:output"]
     assert len(wide) >= 3 * batch  # every step that returned, flushed and closed
     np.testing.assert_allclose(wide, reference[:len(wide)], rtol=1e-5, atol=1e-5)
+
+
+class _Growing(keras.utils.PyDataset):
+    """Batches whose sequence length grows: a streamed key changes shape."""
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, index):
+        return (np.ones((2, 3 + index, 4), "float32"),)
+
+
+def test_a_streamed_key_that_changes_shape_stops_the_loop_and_raises_at_the_end(tmp_path):
+    keras.utils.set_random_seed(0)
+    model = cs.Sequential([keras.Input((None, 4)), keras.layers.Dense(3, name="d"),
+                           keras.layers.GlobalAveragePooling1D(name="pool")], name="s")
+    expected = model.predict(np.ones((2, 3, 4), "float32"), verbose=0)
+    steps = _EachBatch(lambda b: b)
+    with pytest.raises(ValueError, match=r"changed shape from \(N, \[3, 3\]\) to \(2, 4, 3\)"):
+        with cs.capture(model, "s/d", to=tmp_path / "caps"):
+            model.predict(_Growing(), verbose=0, callbacks=[steps])
+    # The loop stopped at once (a step later where the copy lags), not after 8 steps.
+    assert len(steps.seen) <= 3
+    np.testing.assert_allclose(model.predict(np.ones((2, 3, 4), "float32"), verbose=0),
+                               expected, rtol=1e-6)

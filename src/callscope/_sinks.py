@@ -159,7 +159,11 @@ class Landing:
     def flush(self) -> None:
         """Everything so far readable: landed, and written to disk."""
         with self._lock:
-            self.land()
+            try:
+                self.land()
+            except Exception as failure:  # the run stops and raises it too, at its end
+                self._failure = self._failure or failure
+                raise
             if self._writer is not None:
                 self._writer.drain()
 
@@ -222,11 +226,9 @@ class Call(Mapping):
         self._queued: dict[str, int] = {}  # rows handed to the writer, per key
         self._offsets: dict[str, int] = {}  # bytes handed to the writer, per file
         self._landing: Landing | None = None  # the run's, while it runs
-        self.version = 0  # counts what landed, so readers know when to read again
 
     # -- filling (on the host, by the run's landing) -------------------------
     def add(self, kind: str, key: str, value: Any) -> None:
-        self.version += 1
         if self._dir is not None and _backend.spans_processes(value):
             self._stream_blocks(key, value)  # each process writes the shards it holds
             return
