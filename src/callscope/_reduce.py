@@ -254,8 +254,8 @@ class Running:
 
     >>> running = Running(block=2)
     >>> for chunk in ([1.0, 2.0], [3.0], [4.0, 5.0, 6.0]):
-    ...     running.add({k: np.asarray(v) for k, v in
-    ...                  partials(np.asarray(chunk), ("mean", "std")).items()})
+    ...     step = partials(keras.ops.convert_to_tensor(chunk), ("mean", "std"))
+    ...     running.add({k: keras.ops.convert_to_numpy(v) for k, v in step.items()})
     >>> float(finalize(running.result(), "mean")), float(finalize(running.result(), "std"))
     (3.5, 1.707825127659933)
     """
