@@ -64,10 +64,11 @@ def run(case, model):
         out["predict_debugging"] = model.predict(x, batch_size=8, debugging=True, verbose=0)
     with cs.capture(model, case["blocks"]) as cap:
         model.predict(x, batch_size=8, verbose=0)
-        # Held on the devices until read, each batch split across them.
-        out["whole_on_one_device"] = sum(
-            a.sharding.shard_shape(a.shape) == a.shape
-            for call in cap.calls for parts in call._full.values() for a in parts)
+        # Landed on the host as the call ran: the capture holds no device arrays.
+        out["held_on_device"] = sum(call._landing.held() for call in cap.calls
+                                    if call._landing is not None)
+        out["on_host"] = all(isinstance(b.view(), np.ndarray)
+                             for call in cap.calls for b in call._full.values())
     out["capture"] = dict(cap.items())
     with cs.capture(model, case["blocks"], reduce=STATS, bins=8) as stats:
         model.predict(x, batch_size=8, verbose=0)

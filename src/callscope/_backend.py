@@ -259,3 +259,66 @@ def barrier(name: str) -> None:
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices(name)
+
+
+# --------------------------------------------------------------------------
+# Captured values on their way to the host (`_sinks.Landing`)
+# --------------------------------------------------------------------------
+def start_host_copy(leaves: list) -> list:
+    """Starts each leaf's copy to the host without waiting; `to_host` finishes it.
+
+    JAX: `copy_to_host_async`. torch on CUDA: a `non_blocking` copy (into pinned
+    memory) and an event to wait on. TF, and torch on the CPU, have nothing to
+    start: their values are read as they are."""
+    if BACKEND == "jax":
+        for leaf in leaves:
+            if getattr(leaf, "is_fully_addressable", False) and hasattr(
+                    leaf, "copy_to_host_async"):
+                leaf.copy_to_host_async()
+        return list(leaves)
+    if BACKEND == "torch":
+        import torch
+
+        handles = []
+        for leaf in leaves:
+            leaf = leaf.detach() if isinstance(leaf, torch.Tensor) else leaf
+            if isinstance(leaf, torch.Tensor) and leaf.is_cuda:
+                host = leaf.to("cpu", non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
+                leaf = (host, event)
+            handles.append(leaf)
+        return handles
+    return list(leaves)
+
+
+def to_host(handles: list) -> list:
+    """The host arrays of `start_host_copy`'s handles (waits for the copies). On
+    JAX, one `device_get` for all of them; arrays that span processes are left as
+    they are (no process can read them whole)."""
+    if BACKEND == "jax":
+        import jax
+
+        local = [h for h in handles if not spans_processes(h)]
+        got = iter(jax.device_get(local))
+        return [h if spans_processes(h) else np.asarray(next(got)) for h in handles]
+    out = []
+    for handle in handles:
+        if isinstance(handle, tuple):  # torch on CUDA: (pinned host tensor, event)
+            handle[1].synchronize()
+            handle = handle[0]
+        out.append(handle if isinstance(handle, np.ndarray)
+                   else np.asarray(keras.ops.convert_to_numpy(handle)))
+    return out
+
+
+def copy_lags(leaves: list) -> bool:
+    """True where reading a step's values at once would wait for the device: they
+    then land one step later, so the device runs ahead (JAX's dispatch is always
+    asynchronous; TF and torch only off the CPU). Several JAX processes land at
+    once: gathering is a collective that every process must make in step."""
+    if BACKEND == "jax":
+        return process_index()[1] == 1
+    if BACKEND == "torch":
+        return any(getattr(leaf, "is_cuda", False) for leaf in leaves)
+    return any("CPU" not in getattr(leaf, "device", "CPU").upper() for leaf in leaves)

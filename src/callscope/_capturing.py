@@ -18,7 +18,7 @@ import difflib
 import keras
 import numpy as np
 
-from callscope import _backend, _grads, _keras_compat, _record, _scope, _steps
+from callscope import _backend, _grads, _keras_compat, _record, _scope, _sinks, _steps
 from callscope._points import loop_points, tree_points
 from callscope._run import Run
 
@@ -129,7 +129,8 @@ class CaptureMixin:
             self._cs_check_loops(captures, patches)
         nested = _scope.run_of(self) is not None
         calls = tuple(c._begin("__call__", nested) for c in captures)
-        run = Run(self, "__call__", self._cs_table().default, (), calls, patches, nested)
+        run = Run(self, "__call__", self._cs_table().default, (), calls, patches, nested,
+                  host=_sinks.Landing(calls) if calls else None)
         with _scope.running(run):
             with _record.collecting_for(specs) as collector, \
                     _record.patching(patches) as active:
@@ -137,7 +138,12 @@ class CaptureMixin:
                 sown = collector.finalize()
             self._cs_note_points(collector, active, hits := set())
         self._cs_check_reached(run, hits)
-        run.sink("call", sown)
+        try:
+            run.sink("call", sown)
+        except BaseException as error:
+            run.end(error)
+            raise
+        run.end()
         return outputs
 
     def _cs_note_points(self, collector, active, hits: set, resolved=None) -> None:

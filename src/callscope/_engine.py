@@ -33,7 +33,7 @@ from typing import Any
 import keras
 import numpy as np
 
-from callscope import _keras_compat, _keys, _patch, _record, _scope, _steps
+from callscope import _keras_compat, _keys, _patch, _record, _scope, _sinks, _steps
 from callscope._capturing import CAPTURE, PATCH, CaptureMixin, first_x
 from callscope._functions import (
     PerKeyFunction,
@@ -240,7 +240,8 @@ class Engine(CaptureMixin):
                 dynamic = [(positions[id(v)], a) for v, a in dynamic]
             run = Run(self, method, entry, tuple(dynamic), calls, patches, nested,
                       _keras_compat.replicas(self) > 1, self._cs_row_offset(method, patches),
-                      tuple(c.spec for c in captures if c.spec.finds_ranges()))
+                      tuple(c.spec for c in captures if c.spec.finds_ranges()),
+                      _sinks.Landing(calls) if calls else None)
             logging = next((i for i, c in enumerate(captures) if c.log), None)
             if method == "fit" and logging is not None:
                 user = list(kwargs.get("callbacks") or [])
@@ -248,7 +249,12 @@ class Engine(CaptureMixin):
             gates = state.gates(method)
             if gates and method in ("fit", "evaluate", "predict"):
                 kwargs["callbacks"] = with_gate_callbacks(kwargs.get("callbacks"), gates, self)
-            result = self._cs_call_keras(method, run, frame, args, kwargs)
+            try:
+                result = self._cs_call_keras(method, run, frame, args, kwargs)
+            except BaseException as error:
+                run.end(error)
+                raise
+            run.end()
             self._cs_check_reached(run, entry.hits.get(CALL_KINDS[method], set()))
             if run.offset is not None:
                 run.offset.check_end()

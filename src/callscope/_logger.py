@@ -32,7 +32,9 @@ class EpochStatistics(keras_callbacks.ProgbarLogger):
         self._keys: set[str] = set()
 
     def on_epoch_begin(self, epoch, logs=None):
-        self._start = {key: len(rows) for key, rows in self.capture._rows.items()}
+        call = self.capture
+        call.flush()  # the last step lands first: the epoch starts after it
+        self._start = {key: call.steps(key) for key in call._steps}
         super().on_epoch_begin(epoch, logs)
 
     def on_epoch_end(self, epoch, logs=None):
@@ -47,13 +49,13 @@ class EpochStatistics(keras_callbacks.ProgbarLogger):
     def epoch_statistics(self):
         """Exact aggregates over this epoch's steps: ({key: float}, {key: counts})."""
         scalars, histograms = {}, {}
-        for key, rows in self.capture._rows.items():
-            epoch_rows = rows[self._start.get(key, 0):]
-            if not epoch_rows:
+        call = self.capture
+        call.flush()
+        for key in call._steps:
+            rows = call.step_rows(key, self._start.get(key, 0))
+            if not len(next(iter(rows.values()))):
                 continue
-            converted = [{k: _reduce.to_numpy(v) for k, v in r.items()} for r in epoch_rows]
-            stacked = {k: np.concatenate([r[k] for r in converted]) for k in converted[0]}
-            merged = _reduce.merge(stacked)
+            merged = _reduce.merge(rows)
             for stat in self.capture.spec.stats:
                 value = _reduce.finalize(merged, stat)
                 if stat == "hist":

@@ -274,3 +274,44 @@ def _torch_partials(value, stats, bins, hist_range):
             index.masked_fill_(bad, bins)
             out["hist"] = torch.bincount(index, minlength=bins + 1)[None, :bins].float()
         return out
+
+
+class Running:
+    """An exact running merge of per-step partials (Chan's formula, float64).
+
+    Steps' partials wait in a block of at most `block` rows and merge into the
+    aggregate when it fills: adding is O(1) amortised, memory does not grow with
+    the number of steps, and `result()` costs at most one block's merge.
+
+    >>> running = Running(block=2)
+    >>> for chunk in ([1.0, 2.0], [3.0], [4.0, 5.0, 6.0]):
+    ...     step = partials(keras.ops.convert_to_tensor(chunk), ("mean", "std"))
+    ...     running.add({k: keras.ops.convert_to_numpy(v) for k, v in step.items()})
+    >>> float(finalize(running.result(), "mean")), float(finalize(running.result(), "std"))
+    (3.5, 1.707825127659933)
+    """
+
+    def __init__(self, block: int = 64):
+        self._block_size = block
+        self._block: list[dict] = []
+        self._total: dict | None = None  # each value with a leading axis of 1
+
+    def add(self, row: Mapping[str, np.ndarray]) -> None:
+        self._block.append(row)
+        if len(self._block) >= self._block_size:
+            self._fold()
+
+    def _fold(self) -> None:
+        rows = self._block if self._total is None else [self._total, *self._block]
+        stacked = {k: np.concatenate([np.asarray(r[k], np.float64) for r in rows])
+                   for k in rows[0]}
+        self._total = {k: np.expand_dims(v, 0) for k, v in merge(stacked).items()}
+        self._block = []
+
+    def result(self) -> dict[str, np.ndarray]:
+        """The merged partials so far (as `merge` gives them)."""
+        if self._block:
+            self._fold()
+        if self._total is None:
+            raise ValueError("No partials were added: there is nothing to merge.")
+        return {k: v[0] for k, v in self._total.items()}

@@ -31,6 +31,10 @@ from callscope import _inputs, _keras_compat
 
 
 
+# What stops each kind of Keras loop after its current step (public attributes).
+_STOP = {"train": "stop_training", "test": "stop_evaluating", "predict": "stop_predicting"}
+
+
 @dataclass(frozen=True, eq=False)
 class Run:
     """One call of a model (see the module docstring). Immutable but for its sinks."""
@@ -45,6 +49,7 @@ class Run:
     replicated: bool = False  # under a tf.distribute strategy with several replicas
     offset: Any = None  # RowOffset, for patches that take the batch
     ranges: tuple = ()  # specs whose histogram ranges the first step fixes
+    host: Any = None  # _sinks.Landing: the calls' values on their way to the host
     # kind of step -> its dynamic inputs (`_inputs.py`), made at its first step
     inputs: dict = field(default_factory=dict)
 
@@ -65,10 +70,15 @@ class Run:
         return values
 
     def sink(self, kind: str, sown) -> None:
-        for name, value in sown.items():
-            if "|" in name:
-                index, key = name.split("|", 1)
-                self.calls[int(index)].add(kind, key, value)
+        """A step's captured values (`"index|key"` names) to the calls' sinks. If a
+        sink failed, Keras's loop stops at its next step, and `end` raises."""
+        if self.host is not None and not self.host.put(kind, sown) and kind in _STOP:
+            setattr(self.model, _STOP[kind], True)
+
+    def end(self, error: BaseException | None = None) -> None:
+        """The run ended (or raised `error`): the last values land, files close."""
+        if self.host is not None:
+            self.host.end(error)
 
 
 class RowOffset:

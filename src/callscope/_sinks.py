@@ -1,26 +1,202 @@
 """Sinks: where one call's captured values land on the host, and how they read back.
 
-A `Call` holds what one call of a model recorded for one capture: full tensors
-(batches concatenated on first read), statistics partials (merged exactly on
-read), or files streamed to disk (read back memory-mapped). Several calls of one
-method read back as one array (`read`); calls of different methods never merge.
+Each step's captured values start their copy to the host as soon as the step
+returns (`Landing`, one per run), and land one step later where waiting for them
+at once would stall the device (JAX, or a GPU): the device runs ahead, and holds
+at most one step of a capture whatever the number of batches. They land in a
+`Call`, what one call of a model recorded for one capture:
+
+- full tensors in `HostBuffer`s, one array per key that doubles when full, so
+  adding a batch is O(1) amortised and reading is a view of the filled rows;
+- statistics partials, merged exactly as they arrive (`_reduce.Running`) in
+  predict and evaluate, or one row per step in fit;
+- or files, appended by the run's background `Writer` and read back memory-mapped.
+
+Several calls of one method read back as one array (`read`); calls of different
+methods never merge.
 """
 
 from __future__ import annotations
 
 import difflib
+import functools
 import os
+import threading
 from collections.abc import Mapping
 from typing import Any
 
 import keras
 import numpy as np
-from keras import ops
 
 from callscope import _backend, _reduce
 from callscope._points import CALL_KINDS, Spec
+from callscope._writer import Writer
 
-_TORCH = keras.backend.backend() == "torch"
+
+# --------------------------------------------------------------------------
+# Host buffers
+# --------------------------------------------------------------------------
+class HostBuffer:
+    """The rows of one key on the host: one array whose capacity doubles when full.
+
+    `append` is O(1) amortised (`grows` counts the reallocations: O(log rows)),
+    and `view` is the filled rows, read-only, without a copy. A view stays valid
+    while more rows arrive. A batch whose rows have another shape cannot join
+    the array: the key then reads as an error that says so.
+
+    >>> buffer = HostBuffer("h")
+    >>> for start in range(0, 6, 2):
+    ...     buffer.append(np.arange(start, start + 2.0).reshape(2, 1))
+    >>> buffer.view()[:, 0].tolist(), buffer.grows
+    ([0.0, 1.0, 2.0, 3.0, 4.0, 5.0], 2)
+    """
+
+    def __init__(self, key: str):
+        self.key = key
+        self.rows = 0
+        self.grows = 0
+        self._data: np.ndarray | None = None
+        self._scalar = False  # 0-d values: one row each
+        self._error: str | None = None
+
+    def append(self, array: np.ndarray) -> None:
+        array = np.asarray(array)
+        if self._data is None:
+            self._scalar = array.ndim == 0
+        if self._scalar:
+            array = array.reshape(1)
+        if self._data is not None and array.shape[1:] != self._data.shape[1:]:
+            self._error = self._error or (
+                f"Captured `{self.key}` changed shape from (N, "
+                f"{', '.join(map(str, self._data.shape[1:]))}) to {array.shape} within "
+                "one call: its batches cannot be stacked into one array. Give every "
+                "batch the same shape (e.g. pad to a fixed length), or capture "
+                f"another point. Received: a batch of shape {array.shape}")
+        if self._error is not None:
+            return
+        needed = self.rows + array.shape[0]
+        if self._data is None or needed > len(self._data):
+            capacity = needed if self._data is None else max(needed, 2 * len(self._data))
+            grown = np.empty((capacity, *array.shape[1:]), array.dtype)
+            if self._data is not None:
+                grown[:self.rows] = self._data[:self.rows]
+                self.grows += 1
+            self._data = grown
+        self._data[self.rows:needed] = array
+        self.rows = needed
+
+    def view(self) -> np.ndarray:
+        if self._error is not None:
+            raise ValueError(self._error)
+        view = self._data[:self.rows]
+        if self._scalar and self.rows == 1:
+            view = view[0]
+        view = view.view()
+        view.flags.writeable = False
+        return view
+
+    def trim(self) -> None:
+        """Gives back the unused capacity (a run ended): at most one copy per run."""
+        if self._data is not None and len(self._data) > self.rows * 5 // 4 + 1:
+            self._data = self._data[:self.rows].copy()
+
+
+# --------------------------------------------------------------------------
+# One run's values on their way to the host
+# --------------------------------------------------------------------------
+class Landing:
+    """One run's path to the host (see the module docstring): `put` each step's
+    captured values as the step returns, `end` when the run ends or fails.
+
+    `put` never raises: it runs inside Keras's loop, where an exception would lose
+    the JAX loop's state (its weights are donated to each step). A failure (the
+    writer's, or a streamed key that changed shape) stops the sinks, `put`
+    returns False so that the run can stop its loop, and `end` raises it.
+    """
+
+    def __init__(self, calls: tuple):
+        self.calls = calls
+        self._pending = None  # (kind, structure, handles) of the step still on its way
+        self._lock = threading.RLock()  # a capture may be read from another thread
+        self._writer: Writer | None = None
+        self._failure: Exception | None = None
+        for call in calls:
+            call._landing = self
+
+    def put(self, kind: str, sown: Mapping) -> bool:
+        values = {name: value for name, value in sown.items() if "|" in name}
+        if self._failure is not None or not values:
+            return self._failure is None
+        with self._lock:
+            try:
+                self.land()  # the previous step's values: their copy had a step's time
+                leaves = keras.tree.flatten(values)
+                self._pending = (kind, values, _backend.start_host_copy(leaves))
+                if not _backend.copy_lags(leaves):
+                    self.land()
+            except Exception as failure:
+                self._failure, self._pending = failure, None
+                return False
+        return True
+
+    def land(self) -> None:
+        """The pending step's values into the calls' buffers (waits for them)."""
+        with self._lock:
+            pending, self._pending = self._pending, None
+            if pending is None:
+                return
+            kind, structure, handles = pending
+            values = keras.tree.pack_sequence_as(structure, _backend.to_host(handles))
+            for name, value in values.items():
+                index, key = name.split("|", 1)
+                self.calls[int(index)].add(kind, key, value)
+
+    def held(self) -> int:
+        """How many arrays are still on their way (on the device): at most one step's."""
+        pending = self._pending
+        return 0 if pending is None else len(pending[2])
+
+    def flush(self) -> None:
+        """Everything so far readable: landed, and written to disk."""
+        with self._lock:
+            try:
+                self.land()
+            except Exception as failure:  # the run stops and raises it too, at its end
+                self._failure = self._failure or failure
+                raise
+            if self._writer is not None:
+                self._writer.drain()
+
+    def writer(self) -> Writer:
+        if self._writer is None:
+            self._writer = Writer()
+        return self._writer
+
+    def end(self, error: BaseException | None = None) -> None:
+        """Lands the last step, flushes and closes the files, and raises what
+        failed. After a failure of the run (`error`), adds it to that as a note."""
+        with self._lock:
+            problems = [self._failure] if self._failure is not None else []
+            for finish in (self.land, self._release, self._close_writer):
+                try:
+                    finish()
+                except Exception as problem:
+                    problems.append(problem)
+        if not problems:
+            return
+        if error is None:
+            raise problems[0]
+        error.add_note(f"callscope could not finish the capture: {problems[0]}")
+
+    def _release(self) -> None:
+        for call in self.calls:
+            call._landing = None
+            for buffer in call._full.values():
+                buffer.trim()
+
+    def _close_writer(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
 
 
 # --------------------------------------------------------------------------
@@ -41,21 +217,18 @@ class Call(Mapping):
         self.spec = spec
         self.method = method
         self.nested = nested
-        self._full: dict[str, list] = {}
-        self._rows: dict[str, list[dict]] = {}
-        self._per_step = False
+        self._full: dict[str, HostBuffer] = {}
+        self._stats: dict[str, _reduce.Running] = {}  # predict, evaluate: merged
+        self._steps: dict[str, dict[str, HostBuffer]] = {}  # fit: one row per step
+        self._per_step = CALL_KINDS.get(method) == "train"
         self._dir = directory
         self._files: dict[str, dict] = {}
-        self._cache: dict[str, np.ndarray] = {}
+        self._queued: dict[str, int] = {}  # rows handed to the writer, per key
+        self._offsets: dict[str, int] = {}  # bytes handed to the writer, per file
+        self._landing: Landing | None = None  # the run's, while it runs
 
-    # -- filling (on the host, by the run) -----------------------------------
+    # -- filling (on the host, by the run's landing) -------------------------
     def add(self, kind: str, key: str, value: Any) -> None:
-        # Kept as device arrays until read: converting each batch on arrival would
-        # synchronise every step and stall JAX's asynchronous dispatch. Only
-        # streaming converts at once, to keep host memory bounded.
-        self._cache.clear()
-        if kind == "train" and _TORCH:  # torch keeps the autograd graph alive
-            value = keras.tree.map_structure(ops.stop_gradient, value)
         if self._dir is not None and _backend.spans_processes(value):
             self._stream_blocks(key, value)  # each process writes the shards it holds
             return
@@ -63,72 +236,102 @@ class Call(Mapping):
             value = keras.tree.map_structure(_backend.gathered, value)
         if self.spec.stats:
             self._per_step |= kind == "train"
-            self._rows.setdefault(key, []).append(value)
+            if self._per_step:
+                # One row per step: a step's replicas' rows (tf.distribute) merged.
+                value = _reduce.merge_each([value])
+                rows = self._steps.setdefault(key, {})
+                for name, part in value.items():
+                    rows.setdefault(name, HostBuffer(f"{key}/{name}")).append(part)
+            else:
+                self._stats.setdefault(key, _reduce.Running()).add(value)
         elif self._dir is None:
-            self._full.setdefault(key, []).append(value)
+            self._full.setdefault(key, HostBuffer(key)).append(value)
         else:
-            self._stream(key, _reduce.to_numpy(value))
+            self._stream(key, np.asarray(value))
+
+    def _new_file(self, key: str, name: str, dtype, row, **extra) -> dict:
+        entry = self._files[key] = {"dtype": np.dtype(dtype).str, "row": list(row),
+                                    "rows": 0, **extra}
+        self._queued[key] = 0
+        self._offsets[name] = 0
+        return entry
+
+    def _check_row(self, key: str, entry: dict, shape) -> None:
+        if list(shape[1:]) != entry["row"]:
+            raise ValueError(
+                f"Captured `{key}` changed shape from (N, {entry['row']}) to {shape}; "
+                "streaming to disk needs a fixed shape per row. Capture it without `to=`."
+            )
 
     def _stream(self, key: str, array: np.ndarray) -> None:
         entry = self._files.get(key)
         if entry is None:
-            os.makedirs(self._dir, exist_ok=True)
             name = f"{len(self._files):04d}.bin"
-            entry = self._files[key] = {
-                "file": name, "dtype": array.dtype.str, "row": list(array.shape[1:]), "rows": 0,
-            }
-            open(os.path.join(self._dir, name), "xb").close()  # never truncates a file
-        if list(array.shape[1:]) != entry["row"]:
-            raise ValueError(
-                f"Captured `{key}` changed shape from (N, {entry['row']}) to {array.shape}; "
-                "streaming to disk needs a fixed shape per row. Capture it without `to=`."
-            )
-        with open(os.path.join(self._dir, entry["file"]), "ab") as f:
-            f.write(np.ascontiguousarray(array, dtype=entry["dtype"]).tobytes())
-        entry["rows"] += array.shape[0]
+            entry = self._new_file(key, name, array.dtype, array.shape[1:], file=name)
+        self._check_row(key, entry, array.shape)
+        self._queued[key] += array.shape[0]
+        self._landing.writer().write(
+            os.path.join(self._dir, entry["file"]), array.astype(entry["dtype"], copy=False),
+            functools.partial(_count_rows, entry, array.shape[0]))
 
     def _stream_blocks(self, key: str, value) -> None:
         """Several JAX processes: this process appends the shards it holds to its
         own file, each block with its corner in the call's global rows."""
         entry = self._files.get(key)
         if entry is None:
-            os.makedirs(self._dir, exist_ok=True)
             me, _ = _backend.process_index()
             name = f"{len(self._files):04d}.p{me}.bin"
-            entry = self._files[key] = {
-                "dtype": np.dtype(value.dtype).str, "row": list(value.shape[1:]), "rows": 0,
-                "parts": [{"file": name, "blocks": []}],
-            }
-            open(os.path.join(self._dir, name), "xb").close()
-        if list(value.shape[1:]) != entry["row"]:
-            raise ValueError(
-                f"Captured `{key}` changed shape from (N, {entry['row']}) to {value.shape}; "
-                "streaming to disk needs a fixed shape per row. Capture it without `to=`."
-            )
+            entry = self._new_file(key, name, value.dtype, value.shape[1:],
+                                   parts=[{"file": name, "blocks": []}])
+        self._check_row(key, entry, value.shape)
         part = entry["parts"][0]
-        with open(os.path.join(self._dir, part["file"]), "ab") as f:
-            for start, block in _backend.local_blocks(value):
-                start[0] += entry["rows"]
-                part["blocks"].append({"at": f.tell(), "start": start, "shape": block.shape})
-                f.write(np.ascontiguousarray(block, dtype=entry["dtype"]).tobytes())
-        entry["rows"] += value.shape[0]
+        writer = self._landing.writer()
+        for start, block in _backend.local_blocks(value):
+            start[0] += self._queued[key]
+            block = np.asarray(block, entry["dtype"])
+            record = {"at": self._offsets[part["file"]], "start": start,
+                      "shape": list(block.shape)}
+            self._offsets[part["file"]] += block.nbytes
+            writer.write(os.path.join(self._dir, part["file"]), block,
+                         functools.partial(part["blocks"].append, record))
+        self._queued[key] += value.shape[0]
+        writer.write(os.path.join(self._dir, part["file"]), np.empty(0, np.uint8),
+                     functools.partial(_count_rows, entry, value.shape[0]))
 
     # -- reading -------------------------------------------------------------
+    def flush(self) -> None:
+        """Lands and writes what the run in progress holds (a no-op after it)."""
+        landing = self._landing
+        if landing is not None:
+            landing.flush()
+
+    def steps(self, key: str) -> int:
+        """fit's statistics: how many steps `key` has rows for."""
+        self.flush()
+        rows = self._steps.get(key)
+        return next(iter(rows.values())).rows if rows else 0
+
+    def step_rows(self, key: str, start: int = 0) -> dict[str, np.ndarray]:
+        """fit's statistics: the partials of `key`'s steps from `start` on (views)."""
+        self.flush()
+        return {name: buffer.view()[start:] for name, buffer in self._steps[key].items()}
+
     def _names(self) -> list[str]:
         if self.spec.stats:
-            return [f"{k}/{s}" for k in self._rows for s in self.spec.stats]
+            return [f"{k}/{s}" for k in (self._steps if self._per_step else self._stats)
+                    for s in self.spec.stats]
         return list(self._files) if self._dir is not None else list(self._full)
 
     def __iter__(self):
+        self.flush()
         return iter(self._names())
 
     def __len__(self) -> int:
+        self.flush()
         return len(self._names())
 
     def __getitem__(self, key: str) -> np.ndarray:
-        if key not in self._cache:
-            self._cache[key] = read([self], key)
-        return self._cache[key]
+        return read([self], key)
 
     def hist_edges(self, key: str) -> np.ndarray:
         """The bin edges of a `.../hist` key."""
@@ -141,23 +344,31 @@ class Call(Mapping):
         return f"Call({kind}{self.method}: {len(self)} keys)"
 
 
+def _count_rows(entry: dict, rows: int) -> None:
+    entry["rows"] += rows  # on the writer's thread, once the rows are on disk
+
+
 def read(calls: list[Call], key: str) -> np.ndarray:
     """One key over several calls of one method: batches concatenated, or one
-    exact aggregate (predict, evaluate), or one row per step (fit)."""
+    exact aggregate (predict, evaluate), or one row per step (fit). One call's
+    batches read as a view, without a copy."""
+    for call in calls:
+        call.flush()
     spec = calls[0].spec
     if spec.stats:
         base, _, stat = key.rpartition("/")
-        rows = []
-        for call in calls:
-            if base in call._rows:
-                call._rows[base] = [{k: _reduce.to_numpy(v) for k, v in r.items()}
-                                    for r in call._rows[base]]
-                rows += call._rows[base]
-        if not rows or stat not in spec.stats:
+        if stat not in spec.stats:
             raise KeyError(missing(key, calls))
         if calls[0]._per_step:
-            return _reduce.per_step(_reduce.merge_each(rows), stat)
-        stacked = {k: np.concatenate([r[k] for r in rows]) for k in rows[0]}
+            rows = [call._steps[base] for call in calls if base in call._steps]
+            if not rows:
+                raise KeyError(missing(key, calls))
+            stacked = {k: _joined([r[k].view() for r in rows]) for k in rows[0]}
+            return _reduce.per_step(stacked, stat)
+        merged = [call._stats[base].result() for call in calls if base in call._stats]
+        if not merged:
+            raise KeyError(missing(key, calls))
+        stacked = {k: np.stack([m[k] for m in merged]) for k in merged[0]}
         return _reduce.finalize(_reduce.merge(stacked), stat)
     parts = []
     for call in calls:
@@ -165,14 +376,19 @@ def read(calls: list[Call], key: str) -> np.ndarray:
             parts.append(assemble(call._dir, call._files[key]))
         elif call._dir is not None and key in call._files:
             entry = call._files[key]
+            if not entry["rows"]:  # nothing reached the disk (mmap refuses 0 bytes)
+                parts.append(np.empty((0, *entry["row"]), entry["dtype"]))
+                continue
             parts.append(np.memmap(os.path.join(call._dir, entry["file"]), dtype=entry["dtype"],
                                    mode="r", shape=(entry["rows"], *entry["row"])))
         elif key in call._full:
-            done = [_reduce.to_numpy(p) for p in call._full[key]]
-            call._full[key] = [done[0] if len(done) == 1 else np.concatenate(done)]
-            parts.append(call._full[key][0])
+            parts.append(call._full[key].view())
     if not parts:
         raise KeyError(missing(key, calls))
+    return _joined(parts)
+
+
+def _joined(parts: list[np.ndarray]) -> np.ndarray:
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 

@@ -1,0 +1,308 @@
+"""The host data path of captures: buffers, the landing of each step, the writer.
+
+Structure, not time: device arrays held by a capture while the number of batches
+grows 4x, reallocations and copies when reading, host transfers per step, files
+opened per run, and the writer's errors and backpressure. Values are checked
+against a stock Keras model.
+"""
+
+import os
+import threading
+
+import keras
+import numpy as np
+import pytest
+from conftest import BACKEND
+
+import callscope as cs
+from callscope import _backend, _sinks, _writer
+
+JIT = [False, "auto"]
+WIDE = 64
+rng = np.random.default_rng(0)
+
+
+def _model(jit_compile="auto"):
+    keras.utils.set_random_seed(0)
+    model = cs.Sequential([keras.Input((8,)), keras.layers.Dense(WIDE, name="wide"),
+                           keras.layers.Dense(1, name="out")], name="m")
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse", jit_compile=jit_compile)
+    return model
+
+
+def _wide(model, x):
+    """The stock Keras reference: the `wide` layer's outputs."""
+    return keras.Model(model.inputs, model.get_layer("wide").output).predict(x, verbose=0)
+
+
+class _EachBatch(keras.callbacks.Callback):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn, self.seen = fn, []
+
+    def on_predict_batch_end(self, batch, logs=None):
+        self.seen.append(self.fn(batch))
+
+
+def _captured_bytes_on_device(batch):
+    """Bytes of live device arrays shaped like one captured batch (JAX)."""
+    import jax
+
+    return sum(a.nbytes for a in jax.live_arrays() if a.shape == (batch, WIDE))
+
+
+@pytest.mark.parametrize("jit_compile", JIT)
+def test_device_memory_stays_flat_while_batches_grow_4x(jit_compile):
+    model, batch = _model(jit_compile), 16
+    held = {}
+    for steps in (8, 32):
+        x = rng.normal(size=(steps * batch, 8)).astype("float32")
+        with cs.capture(model, "*/wide") as cap:
+            probe = _EachBatch(lambda b: (
+                cap.calls[-1]._landing.held(),
+                _captured_bytes_on_device(batch) if BACKEND == "jax" else 0))
+            model.predict(x, batch_size=batch, verbose=0, callbacks=[probe])
+            held[steps] = probe.seen
+            np.testing.assert_allclose(cap["m/wide:output"], _wide(model, x), rtol=1e-5,
+                                       atol=1e-5)
+            assert isinstance(cap["m/wide:output"], np.ndarray)
+    # At most one step's arrays are on their way (JAX lands one step late, so the
+    # device runs ahead); TF and torch on the CPU land at once.
+    arrays = max(h for h, _ in held[32])
+    assert arrays == (1 if BACKEND == "jax" else 0)
+    assert max(h for h, _ in held[32]) == max(h for h, _ in held[8])
+    if BACKEND == "jax":
+        peak_8, peak_32 = (max(b for _, b in held[s]) for s in (8, 32))
+        assert peak_32 <= peak_8 <= 2 * batch * WIDE * 4  # one step's, twice at most
+        assert _captured_bytes_on_device(batch) == 0  # all landed when the call ended
+
+
+@pytest.mark.parametrize("jit_compile", JIT)
+def test_reading_during_a_run_gives_the_rows_so_far_as_a_view(jit_compile):
+    model, batch = _model(jit_compile), 4
+    x = rng.normal(size=(10 * batch, 8)).astype("float32")
+    reference = _wide(model, x)
+    with cs.capture(model, "*/wide") as cap:
+        probe = _EachBatch(lambda b: np.array(cap["m/wide:output"]))
+        model.predict(x, batch_size=batch, verbose=0, callbacks=[probe])
+        for step, rows in enumerate(probe.seen):
+            np.testing.assert_allclose(rows, reference[:(step + 1) * batch], rtol=1e-5,
+                                       atol=1e-5)
+        first, again = cap["m/wide:output"], cap["m/wide:output"]
+    # Reading copies nothing: each read is a read-only view of the one buffer.
+    assert np.shares_memory(first, again)
+    assert not first.flags.writeable
+    buffer = cap.calls[0]._full["m/wide:output"]
+    assert buffer.grows <= int(np.ceil(np.log2(10)))
+
+
+def test_a_buffer_grows_geometrically_and_a_read_never_copies():
+    buffer = _sinks.HostBuffer("k")
+    views = []
+    for step in range(800):
+        buffer.append(np.full((256, 4), step, np.float32))
+        if step in (99, 799):
+            views.append(buffer.view())
+    assert buffer.grows <= 10  # log2(800) reallocations, not 800
+    early, late = views
+    assert early.shape == (100 * 256, 4) and late.shape == (800 * 256, 4)
+    assert np.shares_memory(late, buffer.view())
+    np.testing.assert_array_equal(late[::256, 0], np.arange(800))
+    np.testing.assert_array_equal(early[::256, 0], np.arange(100))  # still valid
+    buffer.trim()
+    assert buffer.view().shape == (800 * 256, 4)
+
+
+def test_a_batch_of_another_shape_reads_as_a_clear_error():
+    buffer = _sinks.HostBuffer("net/x:output")
+    buffer.append(np.zeros((2, 3)))
+    buffer.append(np.zeros((2, 5)))
+    with pytest.raises(ValueError, match=r"changed shape from \(N, 3\) to \(2, 5\).*"
+                                         r"Received: a batch of shape \(2, 5\)"):
+        buffer.view()
+
+
+@pytest.mark.parametrize("jit_compile", JIT)
+def test_each_step_crosses_to_the_host_once_and_statistics_merge_as_they_arrive(
+        jit_compile, monkeypatch):
+    model, batch, steps = _model(jit_compile), 4, 80
+    x = rng.normal(size=(steps * batch, 8)).astype("float32")
+    transfers = []
+    to_host = _backend.to_host
+    monkeypatch.setattr(_backend, "to_host", lambda h: transfers.append(len(h)) or to_host(h))
+    with cs.capture(model, ("*/wide", "*/out"), reduce=("mean", "std", "max", "hist"),
+                    hist_range=(-4, 4), bins=8) as stats, \
+            cs.capture(model, "*/out") as full:
+        model.predict(x, batch_size=batch, verbose=0)
+    # One transfer per step for every point of both captures.
+    assert len(transfers) == steps
+    assert set(transfers) == {2 * 5 + 1}  # 2 points x (n, mean, m2, max, hist) + 1
+    # Merged as they arrive: the host keeps less than a block of rows, not a row a step.
+    running = stats.calls[0]._stats["m/wide:output"]
+    assert len(running._block) < 64 and steps > 64
+    reference = _wide(model, x)
+    assert stats["m/wide:output/mean"] == pytest.approx(reference.mean(), rel=1e-5, abs=1e-6)
+    assert stats["m/wide:output/std"] == pytest.approx(reference.std(), rel=1e-5)
+    assert stats["m/wide:output/max"] == pytest.approx(reference.max(), rel=1e-6)
+    np.testing.assert_array_equal(
+        stats["m/wide:output/hist"],
+        np.histogram(np.clip(reference, -4, 4), bins=8, range=(-4, 4))[0])
+    assert full["m/out:output"].shape == (steps * batch, 1)
+
+
+@pytest.mark.parametrize("jit_compile", JIT)
+def test_streaming_opens_each_file_once_and_writes_on_the_writer_thread(
+        tmp_path, jit_compile, monkeypatch):
+    model, batch = _model(jit_compile), 4
+    x = rng.normal(size=(12 * batch, 8)).astype("float32")
+    opened, writers = [], set()
+
+    class Counted:
+        def __init__(self, path, mode):
+            opened.append(os.path.basename(path))
+            self._file = open(path, mode)  # noqa: SIM115 - closed by the writer
+
+        def write(self, data):
+            writers.add(threading.current_thread().name)
+            return self._file.write(data)
+
+        def flush(self):
+            self._file.flush()
+
+        def close(self):
+            self._file.close()
+
+    monkeypatch.setattr(_writer, "open", Counted, raising=False)
+    with cs.capture(model, ("*/wide", "*/out"), to=tmp_path / "caps") as cap:
+        model.predict(x, batch_size=batch, verbose=0)
+    assert sorted(opened) == ["0000.bin", "0001.bin"]  # once per file, not per batch
+    assert writers == {"callscope-writer"}
+    assert not any(t.name == "callscope-writer" for t in threading.enumerate())
+    np.testing.assert_allclose(cap["m/wide:output"], _wide(model, x), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(cs.load_capture(tmp_path / "caps")["m/wide:output"],
+                               _wide(model, x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("jit_compile", JIT)
+def test_a_writer_error_surfaces_in_the_caller_and_the_index_says_what_is_on_disk(
+        tmp_path, jit_compile):
+    model, batch = _model(jit_compile), 4
+    x = rng.normal(size=(12 * batch, 8)).astype("float32")
+    references = {"m/wide:output": _wide(model, x), "m/out:output": model.predict(x, verbose=0)}
+    target = tmp_path / "caps"
+    with pytest.raises(_writer.WriteError) as raised:
+        with cs.capture(model, ("*/wide", "*/out"), to=target):
+            # The second key's file already exists: the writer refuses to truncate it.
+            os.makedirs(target / "call_000")
+            (target / "call_000" / "0001.bin").write_bytes(b"not ours")
+            model.predict(x, batch_size=batch, verbose=0)
+    message = str(raised.value)
+    assert "could not write its files" in message
+    assert message.endswith(f"Received: file={str(target / 'call_000' / '0001.bin')!r}")
+    assert "File exists" in message  # the cause (Keras drops `__cause__` on the way out)
+    # Raised when the run ended, not inside Keras's loop: the model keeps its weights.
+    np.testing.assert_allclose(model.predict(x, verbose=0), references["m/out:output"],
+                               rtol=1e-6)
+    assert not any(t.name == "callscope-writer" for t in threading.enumerate())
+    # What the index holds is on disk: the rows written before the error.
+    loaded = cs.load_capture(target)
+    rows = {key: len(loaded[key]) for key in references}
+    assert sorted(rows.values())[0] == 0 and sorted(rows.values())[1] > 0
+    for key, reference in references.items():
+        np.testing.assert_allclose(loaded[key], reference[:rows[key]], rtol=1e-5, atol=1e-5)
+
+
+class _Stalled:
+    """A file whose writes wait for `go`, then fail with `error` (if given)."""
+
+    def __init__(self, go, error=None):
+        self.go, self.error, self.written = go, error, 0
+
+    def write(self, data):
+        self.go.wait()
+        if self.error is not None:
+            raise self.error
+        self.written += len(data)
+
+    def flush(self):
+        pass
+
+    def close(self):
+        pass
+
+
+def test_a_full_queue_makes_the_caller_wait_and_a_failure_wakes_it(tmp_path, monkeypatch):
+    go = threading.Event()
+    stalled = _Stalled(go, OSError(28, "No space left on device"))
+    monkeypatch.setattr(_writer, "open", lambda path, mode: stalled, raising=False)
+    writer = _writer.Writer(limit=1000)
+    chunk = np.zeros(100, np.float32)  # 400 bytes: two fit in the queue, a third waits
+    path = str(tmp_path / "f.bin")
+    for _ in range(2):
+        writer.write(path, chunk, lambda: None)
+    raised = []
+
+    def third():
+        try:
+            writer.write(path, chunk, lambda: None)
+        except _writer.WriteError as error:
+            raised.append(error)
+
+    blocked = threading.Thread(target=third)
+    blocked.start()
+    blocked.join(0.3)
+    assert blocked.is_alive()  # backpressure: the queue holds its limit
+    assert writer._bytes <= 1000
+    go.set()  # the write fails: the waiting caller wakes with the error
+    blocked.join(10)
+    assert not blocked.is_alive() and "No space left on device" in str(raised[0])
+    with pytest.raises(_writer.WriteError, match="No space left on device"):
+        writer.close()
+    with pytest.raises(_writer.WriteError):
+        writer.drain()
+
+
+def test_a_run_that_fails_still_closes_its_files(tmp_path):
+    model, batch = _model(), 4
+    x = rng.normal(size=(6 * batch, 8)).astype("float32")
+    # Before the run: a callback that raises in a JAX predict leaves the model
+    # without weights, as in stock Keras 3.15.1.
+    reference = _wide(model, x)
+
+    class Stop(keras.callbacks.Callback):
+        def on_predict_batch_end(self, batch, logs=None):
+            if batch == 2:
+                raise RuntimeError("stop here")
+
+    with pytest.raises(RuntimeError, match="stop here"):
+        with cs.capture(model, "*/wide", to=tmp_path / "caps"):
+            model.predict(x, batch_size=batch, verbose=0, callbacks=[Stop()])
+    assert not any(t.name == "callscope-writer" for t in threading.enumerate())
+    wide = cs.load_capture(tmp_path / "caps")["m/wide:output"]
+    assert len(wide) >= 3 * batch  # every step that returned, flushed and closed
+    np.testing.assert_allclose(wide, reference[:len(wide)], rtol=1e-5, atol=1e-5)
+
+
+class _Growing(keras.utils.PyDataset):
+    """Batches whose sequence length grows: a streamed key changes shape."""
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, index):
+        return (np.ones((2, 3 + index, 4), "float32"),)
+
+
+def test_a_streamed_key_that_changes_shape_stops_the_loop_and_raises_at_the_end(tmp_path):
+    keras.utils.set_random_seed(0)
+    model = cs.Sequential([keras.Input((None, 4)), keras.layers.Dense(3, name="d"),
+                           keras.layers.GlobalAveragePooling1D(name="pool")], name="s")
+    expected = model.predict(np.ones((2, 3, 4), "float32"), verbose=0)
+    steps = _EachBatch(lambda b: b)
+    with pytest.raises(ValueError, match=r"changed shape from \(N, \[3, 3\]\) to \(2, 4, 3\)"):
+        with cs.capture(model, "s/d", to=tmp_path / "caps"):
+            model.predict(_Growing(), verbose=0, callbacks=[steps])
+    # The loop stopped at once (a step later where the copy lags), not after 8 steps.
+    assert len(steps.seen) <= 3
+    np.testing.assert_allclose(model.predict(np.ones((2, 3, 4), "float32"), verbose=0),
+                               expected, rtol=1e-6)
