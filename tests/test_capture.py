@@ -357,3 +357,18 @@ def test_user_stateless_jax_step_with_collecting_and_emit():
 def test_load_capture_explains_a_directory_without_a_capture(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"holds no capture index .*Received: path="):
         cs.load_capture(tmp_path)
+
+
+def test_streaming_bfloat16_reads_back_what_memory_holds(tmp_path):
+    # numpy has no string for bfloat16 (`<V2`): the index stores its name.
+    model = cs.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="d", dtype="bfloat16")],
+                          name="bf")
+    x = np.linspace(-1, 1, 24, dtype="float32").reshape(6, 4)
+    with cs.capture(model, "bf/d") as held:
+        model.predict(x, batch_size=4, verbose=0)
+    with cs.capture(model, "bf/d", to=tmp_path / "cap") as streamed:
+        model.predict(x, batch_size=4, verbose=0)
+    for got in (streamed["bf/d:output"], cs.load_capture(tmp_path / "cap")["bf/d:output"]):
+        assert got.dtype == held["bf/d:output"].dtype
+        np.testing.assert_array_equal(got.astype("float32"),
+                                      held["bf/d:output"].astype("float32"))

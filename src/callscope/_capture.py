@@ -107,11 +107,13 @@ class Capture(Mapping):
             # Several JAX processes share one directory: each looks before any
             # writes (the barrier), and only the first deletes.
             first = _backend.process_index()[0] == 0
+            # Only the first process looks at the directory's contents with
+            # overwrite=True (another's look could race its delete).
             os.makedirs(self._dir, exist_ok=True)
-            if os.listdir(self._dir) and self._overwrite and first:
+            if self._overwrite and first and os.listdir(self._dir):
                 shutil.rmtree(self._dir)
-                os.makedirs(self._dir)
-            if os.listdir(self._dir) and not self._overwrite:
+                os.makedirs(self._dir, exist_ok=True)
+            if not self._overwrite and os.listdir(self._dir):
                 raise FileExistsError(
                     f"`{self._dir}` already holds a capture or other files: cs.capture(to=...) "
                     "never writes into a directory that holds files. Choose a new or empty "

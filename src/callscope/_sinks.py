@@ -18,6 +18,7 @@ methods never merge.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import functools
 import os
@@ -250,7 +251,7 @@ class Call(Mapping):
             self._stream(key, np.asarray(value))
 
     def _new_file(self, key: str, name: str, dtype, row, **extra) -> dict:
-        entry = self._files[key] = {"dtype": np.dtype(dtype).str, "row": list(row),
+        entry = self._files[key] = {"dtype": dtype_name(dtype), "row": list(row),
                                     "rows": 0, **extra}
         self._queued[key] = 0
         self._offsets[name] = 0
@@ -271,7 +272,8 @@ class Call(Mapping):
         self._check_row(key, entry, array.shape)
         self._queued[key] += array.shape[0]
         self._landing.writer().write(
-            os.path.join(self._dir, entry["file"]), array.astype(entry["dtype"], copy=False),
+            os.path.join(self._dir, entry["file"]),
+            array.astype(dtype_of(entry["dtype"]), copy=False),
             functools.partial(_count_rows, entry, array.shape[0]))
 
     def _stream_blocks(self, key: str, value) -> None:
@@ -288,7 +290,7 @@ class Call(Mapping):
         writer = self._landing.writer()
         for start, block in _backend.local_blocks(value):
             start[0] += self._queued[key]
-            block = np.asarray(block, entry["dtype"])
+            block = np.asarray(block, dtype_of(entry["dtype"]))
             record = {"at": self._offsets[part["file"]], "start": start,
                       "shape": list(block.shape)}
             self._offsets[part["file"]] += block.nbytes
@@ -304,6 +306,12 @@ class Call(Mapping):
         landing = self._landing
         if landing is not None:
             landing.flush()
+
+    def held(self):
+        """Holds off the run's landing while a reader looks (another thread may be
+        adding this call's values: a half-added step must never be read)."""
+        landing = self._landing
+        return landing._lock if landing is not None else contextlib.nullcontext()
 
     def steps(self, key: str) -> int:
         """fit's statistics: how many steps `key` has rows for."""
@@ -344,6 +352,22 @@ class Call(Mapping):
         return f"Call({kind}{self.method}: {len(self)} keys)"
 
 
+def dtype_name(dtype) -> str:
+    """A dtype as the index stores it: numpy's string (`<f4`), or the name of an
+    ml_dtypes type (`bfloat16`), which has no numpy string of its own."""
+    dtype = np.dtype(dtype)
+    return dtype.name if dtype.kind == "V" else dtype.str
+
+
+def dtype_of(name: str) -> np.dtype:
+    try:
+        return np.dtype(name)
+    except TypeError:
+        import ml_dtypes  # installed with jax and tensorflow
+
+        return np.dtype(getattr(ml_dtypes, name))
+
+
 def _count_rows(entry: dict, rows: int) -> None:
     entry["rows"] += rows  # on the writer's thread, once the rows are on disk
 
@@ -352,8 +376,14 @@ def read(calls: list[Call], key: str) -> np.ndarray:
     """One key over several calls of one method: batches concatenated, or one
     exact aggregate (predict, evaluate), or one row per step (fit). One call's
     batches read as a view, without a copy."""
-    for call in calls:
-        call.flush()
+    with contextlib.ExitStack() as stack:
+        for call in calls:
+            stack.enter_context(call.held())
+            call.flush()
+        return _read(calls, key)
+
+
+def _read(calls: list[Call], key: str) -> np.ndarray:
     spec = calls[0].spec
     if spec.stats:
         base, _, stat = key.rpartition("/")
@@ -377,9 +407,10 @@ def read(calls: list[Call], key: str) -> np.ndarray:
         elif call._dir is not None and key in call._files:
             entry = call._files[key]
             if not entry["rows"]:  # nothing reached the disk (mmap refuses 0 bytes)
-                parts.append(np.empty((0, *entry["row"]), entry["dtype"]))
+                parts.append(np.empty((0, *entry["row"]), dtype_of(entry["dtype"])))
                 continue
-            parts.append(np.memmap(os.path.join(call._dir, entry["file"]), dtype=entry["dtype"],
+            parts.append(np.memmap(os.path.join(call._dir, entry["file"]),
+                                   dtype=dtype_of(entry["dtype"]),
                                    mode="r", shape=(entry["rows"], *entry["row"])))
         elif key in call._full:
             parts.append(call._full[key].view())
@@ -394,7 +425,7 @@ def _joined(parts: list[np.ndarray]) -> np.ndarray:
 
 def assemble(directory: str, entry: dict) -> np.ndarray:
     """One key streamed by several processes: their blocks put back in place."""
-    array = np.empty((entry["rows"], *entry["row"]), entry["dtype"])
+    array = np.empty((entry["rows"], *entry["row"]), dtype_of(entry["dtype"]))
     filled = 0
     for part in entry["parts"]:
         raw = np.memmap(os.path.join(directory, part["file"]), dtype=np.uint8, mode="r")
