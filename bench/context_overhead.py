@@ -120,7 +120,8 @@ def run_backend(repeats):
     note = f"block calls after warm-up: callscope {traces['cs']}, stock {traces['stock']}"
     if keras.backend.backend() == "torch":
         note += " (torch runs eagerly: calls, not traces)"
-    rows.append(("10 predicts alternating True/False vs stock", r, m, t, note))
+    rows.append(("10 predicts alternating True/False vs stock", r, m, t,
+                 note + "  target <= 1.05"))
 
     print(f"\n{keras.backend.backend()} (keras {keras.__version__}, {repeats} repeats)")
     print(f"  {'':<46} {'best':>7} {'median':>7}")
