@@ -211,8 +211,9 @@ class SharedState:
 
     - JAX: the loop keeps the weights out of the variables (`sync`, first, puts
       the paused loop's state back into them; its loop reads them again after).
-    - Metrics, and fit's cached validation iterator: Keras keeps them on the
-      model, so each paused call's are parked and restored around the others'.
+    - Metrics, fit's cached validation iterator and `model.history` (what `fit`
+      returns): Keras keeps them on the model, so each paused call's are parked
+      and restored around the others'.
     """
 
     def __init__(self, model, sync: bool, metrics: bool):
@@ -228,9 +229,12 @@ class SharedState:
         variables = list(model.metrics_variables)
         if previous is not None:
             self._parked[previous] = ([keras.ops.convert_to_numpy(v.value) for v in variables],
-                                      _keras_compat.eval_iterator(model))
-        values, iterator = self._parked.pop(current, (None, None))
+                                      _keras_compat.eval_iterator(model),
+                                      getattr(model, "history", None))
+        values, iterator, history = self._parked.pop(current, (None, None, None))
         _keras_compat.set_eval_iterator(model, iterator)
+        if history is not None:  # fit returns `model.history`, which each fit's History
+            model.history = history  # callback sets: the resuming call's own, back
         if values is not None and len(values) == len(variables):
             for variable, value in zip(variables, values):
                 variable.assign(value)
