@@ -238,8 +238,10 @@ class Call(Mapping):
         if self.spec.stats:
             self._per_step |= kind == "train"
             if self._per_step:
-                # One row per step: a step's replicas' rows (tf.distribute) merged.
-                value = _reduce.merge_each([value])
+                # One row per step: a step's replicas' rows (tf.distribute) merged;
+                # one device's single row goes in as it is (no copy per step).
+                if len(next(iter(value.values()))) > 1:
+                    value = _reduce.merge_each([value])
                 rows = self._steps.setdefault(key, {})
                 for name, part in value.items():
                     rows.setdefault(name, HostBuffer(f"{key}/{name}")).append(part)
