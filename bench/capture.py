@@ -1,6 +1,6 @@
 """What capture costs: callscope against stock Keras doing the same work, side by side.
 
-Per backend, on an 8-block MLP (256 units), prints ratios measured in one run
+Per backend, on the issue's workload (8 x Dense(512) on 8192 x 256, batch 256), prints ratios measured in one run
 (callscope time / reference time; median of interleaved repeats after a warm-up):
 
 1. `sow` in every block, capture off, vs the same model without `sow` (predict, fit);
@@ -27,7 +27,7 @@ import tempfile
 import time
 
 BACKENDS = ("jax", "tensorflow", "torch")
-UNITS, BLOCKS, ROWS, BATCH = 256, 8, 8192, 256
+FEATURES, UNITS, BLOCKS, ROWS, BATCH = 256, 512, 8, 8192, 256
 
 
 def _build(keras, cs, with_sow):
@@ -41,7 +41,7 @@ def _build(keras, cs, with_sow):
             return cs.sow(self, "h", h) if with_sow else h
 
     keras.utils.set_random_seed(0)
-    inputs = keras.Input((UNITS,))
+    inputs = keras.Input((FEATURES,))
     hidden, x = [], inputs
     for i in range(BLOCKS):
         x = Block(name=f"block_{i}")(x)
@@ -73,7 +73,7 @@ def run_backend(repeats):
     import callscope as cs
 
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(ROWS, UNITS)).astype("float32")
+    x = rng.normal(size=(ROWS, FEATURES)).astype("float32")
     y = rng.normal(size=(ROWS, 10)).astype("float32")
     rows = []
 
@@ -148,7 +148,7 @@ def run_rss(scale):
 
     inputs, _, outputs = _build(keras, cs, with_sow=False)
     model = cs.Model(inputs, outputs)
-    x = np.random.default_rng(0).normal(size=(BATCH, UNITS)).astype("float32")
+    x = np.random.default_rng(0).normal(size=(BATCH, FEATURES)).astype("float32")
     model.predict(x, verbose=0)
 
     class Batches(keras.utils.PyDataset):

@@ -109,8 +109,6 @@ def test_a_buffer_grows_geometrically_and_a_read_never_copies():
     assert np.shares_memory(late, buffer.view())
     np.testing.assert_array_equal(late[::256, 0], np.arange(800))
     np.testing.assert_array_equal(early[::256, 0], np.arange(100))  # still valid
-    buffer.trim()
-    assert buffer.view().shape == (800 * 256, 4)
 
 
 def test_a_batch_of_another_shape_reads_as_a_clear_error():
@@ -134,9 +132,10 @@ def test_each_step_crosses_to_the_host_once_and_statistics_merge_as_they_arrive(
                     hist_range=(-4, 4), bins=8) as stats, \
             cs.capture(model, "*/out") as full:
         model.predict(x, batch_size=batch, verbose=0)
-    # One transfer per step for every point of both captures.
+    # One transfer per step for every point of both captures: the full tensor, and
+    # one array for every partial (n, mean, m2, max, hist) of the 2 points.
     assert len(transfers) == steps
-    assert set(transfers) == {2 * 5 + 1}  # 2 points x (n, mean, m2, max, hist) + 1
+    assert set(transfers) == {2}
     # Merged as they arrive: the host keeps less than a block of rows, not a row a step.
     running = stats.calls[0]._stats["m/wide:output"]
     assert len(running._block) < 64 and steps > 64

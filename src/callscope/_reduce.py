@@ -22,6 +22,7 @@ and all-zero `hist` counts; partials of such a step merge as "no data".
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 
 import keras
@@ -112,6 +113,74 @@ def partials(value, stats, bins=32, hist_range=None):
         weight = ops.expand_dims(ops.cast(finite, "float32"), 1)
         out["hist"] = ops.sum(one_hot * weight, axis=0)
     return {k: ops.expand_dims(v, 0) for k, v in out.items()}
+
+
+# --------------------------------------------------------------------------
+# One transfer per step: every point's partials packed into one array
+# --------------------------------------------------------------------------
+PACKED = "__callscope_partials__|"  # the packed entry's name, then its layout's number
+_layouts: dict[tuple, int] = {}  # layout -> number (`pack` writes, `unpack` reads)
+_by_number: list[tuple] = []
+_layouts_lock = threading.Lock()
+
+
+def pack(sown: dict) -> dict:
+    """A step's statistics partials (`"index|key"` -> {partial: [R, ...]}) as one
+    float32 array `[R, total]` on the device: one output of the compiled step and
+    one transfer to the host, not one per partial of every point. The layout
+    (names and shapes, fixed when the step is traced) is kept by number, and the
+    number goes in the entry's name; full tensors are left as they are.
+
+    >>> step = {"0|a": partials(keras.ops.ones((2, 3)), ("mean", "hist"), 4, (0.0, 1.0))}
+    >>> packed = pack(step)
+    >>> [(name.startswith(PACKED), tuple(v.shape)) for name, v in packed.items()]
+    [(True, (1, 6))]
+    >>> host = unpack({k: keras.ops.convert_to_numpy(v) for k, v in packed.items()})
+    >>> {k: v.tolist() for k, v in host["0|a"].items()}
+    {'n': [6.0], 'mean': [1.0], 'hist': [[0.0, 0.0, 0.0, 6.0]]}
+    """
+    stats = [(name, value) for name, value in sown.items() if isinstance(value, dict)]
+    if not stats:
+        return sown
+    layout, parts = [], []
+    for name, value in stats:
+        for partial, part in value.items():
+            shape = tuple(int(d) for d in part.shape[1:])
+            layout.append((name, partial, shape))
+            parts.append(part.reshape(-1, int(np.prod(shape))) if _TORCH else
+                         ops.reshape(part, (-1, int(np.prod(shape)))))
+    layout = tuple(layout)
+    with _layouts_lock:
+        number = _layouts.get(layout)
+        if number is None:
+            number = _layouts[layout] = len(_by_number)
+            _by_number.append(layout)
+    if _TORCH:
+        import torch
+
+        packed = torch.cat(parts, 1)
+    else:
+        packed = ops.concatenate([ops.cast(p, "float32") for p in parts], axis=1)
+    rest = {name: value for name, value in sown.items() if not isinstance(value, dict)}
+    return {**rest, f"{PACKED}{number}": packed}
+
+
+def unpack(values: Mapping, whole=np.asarray) -> dict:
+    """`pack`'s entries back into `"index|key"` -> {partial: [R, ...]} (host
+    arrays: views of the one transferred array). `whole` makes a packed entry one
+    host array (several JAX processes: a gather)."""
+    out = {}
+    for name, value in values.items():
+        if not name.startswith(PACKED):
+            out[name] = value
+            continue
+        value = np.asarray(whole(value))
+        at = 0
+        for key, partial, shape in _by_number[int(name[len(PACKED):])]:
+            size = int(np.prod(shape))
+            out.setdefault(key, {})[partial] = value[:, at:at + size].reshape(-1, *shape)
+            at += size
+    return out
 
 
 def _lo_width(hist_range, bins):

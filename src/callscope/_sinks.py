@@ -37,8 +37,11 @@ from callscope._writer import Writer
 # --------------------------------------------------------------------------
 # Host buffers
 # --------------------------------------------------------------------------
+_RESERVE = 64 * 2**20  # bytes a key's first buffer may span (see `append`)
+
 class HostBuffer:
-    """The rows of one key on the host: one array whose capacity doubles when full.
+    """The rows of one key on the host: one array, room for up to 64 MiB of rows
+    (64 batches at least) from the start, whose capacity doubles when full.
 
     `append` is O(1) amortised (`grows` counts the reallocations: O(log rows)),
     and `view` is the filled rows, read-only, without a copy. A view stays valid
@@ -46,10 +49,10 @@ class HostBuffer:
     the array: the key then reads as an error that says so.
 
     >>> buffer = HostBuffer("h")
-    >>> for start in range(0, 6, 2):
+    >>> for start in range(0, 200, 2):
     ...     buffer.append(np.arange(start, start + 2.0).reshape(2, 1))
-    >>> buffer.view()[:, 0].tolist(), buffer.grows
-    ([0.0, 1.0, 2.0, 3.0, 4.0, 5.0], 2)
+    >>> buffer.view()[:4, 0].tolist(), buffer.view().shape, buffer.grows
+    ([0.0, 1.0, 2.0, 3.0], (200, 1), 1)
     """
 
     def __init__(self, key: str):
@@ -77,7 +80,17 @@ class HostBuffer:
             return
         needed = self.rows + array.shape[0]
         if self._data is None or needed > len(self._data):
-            capacity = needed if self._data is None else max(needed, 2 * len(self._data))
+            if self._data is None:
+                # Room for many batches at once. Rows never written cost address
+                # space only (the OS maps a page when it is first written; numpy
+                # asks for huge pages): one large buffer spares the copies of
+                # growing a small one, and the page faults of many fresh ones.
+                # So does doubling: the spare half of a grown buffer is never given
+                # back by a copy, which would fault in every page again.
+                row = max(array[:1].nbytes, 1)
+                capacity = max(needed, min(64 * needed, _RESERVE // row))
+            else:
+                capacity = max(needed, 2 * len(self._data))
             grown = np.empty((capacity, *array.shape[1:]), array.dtype)
             if self._data is not None:
                 grown[:self.rows] = self._data[:self.rows]
@@ -95,11 +108,6 @@ class HostBuffer:
         view = view.view()
         view.flags.writeable = False
         return view
-
-    def trim(self) -> None:
-        """Gives back the unused capacity (a run ended): at most one copy per run."""
-        if self._data is not None and len(self._data) > self.rows * 5 // 4 + 1:
-            self._data = self._data[:self.rows].copy()
 
 
 # --------------------------------------------------------------------------
@@ -148,7 +156,7 @@ class Landing:
                 return
             kind, structure, handles = pending
             values = keras.tree.pack_sequence_as(structure, _backend.to_host(handles))
-            for name, value in values.items():
+            for name, value in _reduce.unpack(values, _backend.gathered).items():
                 index, key = name.split("|", 1)
                 self.calls[int(index)].add(kind, key, value)
 
@@ -192,8 +200,6 @@ class Landing:
     def _release(self) -> None:
         for call in self.calls:
             call._landing = None
-            for buffer in call._full.values():
-                buffer.trim()
 
     def _close_writer(self) -> None:
         if self._writer is not None:

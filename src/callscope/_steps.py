@@ -102,9 +102,10 @@ def gathered_outputs(kind, result):
 
 def finalize(collector, kind, args, kwargs) -> dict:
     """The step's captured values (`collector.finalize()`), as the whole step's under
-    a multi-replica `tf.distribute` strategy (see the module docstring)."""
+    a multi-replica `tf.distribute` strategy (see the module docstring), their
+    statistics partials packed into one array (`_reduce.pack`)."""
     if kind == "predict" or not (collector.records or collector.rows is not None):
-        return collector.finalize()  # Keras concatenates predict's replicas itself
+        return _reduce.pack(collector.finalize())  # Keras concatenates predict's replicas
     leaf = next((v for v in keras.tree.flatten((args, kwargs)) if hasattr(v, "shape")), None)
     split = _backend.replica_split(leaf)
     if split is False and collector.records:
@@ -115,9 +116,9 @@ def finalize(collector, kind, args, kwargs) -> dict:
             if _record.split_record(name)[2] == "grad":
                 collector.records[name] = [v * replicas for v in values]
     sown = collector.finalize()
-    if split is None or not sown:
-        return sown
-    return _backend.gather_replicas(sown, split)
+    if split is not None and sown:
+        sown = _backend.gather_replicas(sown, split)
+    return _reduce.pack(sown)
 
 
 def check_capture_supported(model, method, specs=()):
