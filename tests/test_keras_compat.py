@@ -47,9 +47,9 @@ def test_stock_step_detection():
         def train_step(self, *args):
             return super().train_step(*args)
 
-    assert _keras_compat.is_stock_jax_step(keras.Model(), "train")
-    assert _keras_compat.is_stock_jax_step(Custom(), "test")
-    assert not _keras_compat.is_stock_jax_step(Custom(), "train")
+    assert _keras_compat.is_stock_step(keras.Model(), "train")
+    assert _keras_compat.is_stock_step(Custom(), "test")
+    assert not _keras_compat.is_stock_step(Custom(), "train")
 
 
 def test_fit_validation_still_reenters_evaluate_with_its_private_argument():

@@ -124,9 +124,12 @@ def test_the_weight_snapshot_is_taken_only_where_jax_purges(monkeypatch, method)
 
 
 @pytest.mark.skipif(BACKEND != "torch", reason="torch's own partials (eager ops)")
-@pytest.mark.parametrize("stats,most", [(("mean", "std", "frac_zero"), 16),
-                                        (_reduce.STATS, 36)])
-def test_torch_statistics_run_few_ops(stats, most):
+@pytest.mark.parametrize("stats,finite,most", [
+    (("mean", "std", "frac_zero"), True, 12), (("mean", "std", "frac_zero"), False, 18),
+    (_reduce.STATS, True, 26), (_reduce.STATS, False, 38)])
+def test_torch_statistics_run_few_ops(stats, finite, most):
+    # All-finite data on the CPU takes the short path (`_torch_finite_partials`);
+    # data with NaN or inf pays the masks (and the sum that found them).
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -138,14 +141,25 @@ def test_torch_statistics_run_few_ops(stats, most):
             return func(*args, **(kwargs or {}))
 
     x = torch.tensor(np.random.default_rng(2).normal(size=(64, 32)).astype("float32"))
-    x[0, 0], x[1, 1], x[2, 2] = float("nan"), float("inf"), 0.0
+    x[2, 2] = 0.0
+    if not finite:
+        x[0, 0], x[1, 1] = float("nan"), float("inf")
     with Count():
         parts = _reduce.partials(x, stats, 8, (-1.0, 1.0))
     assert Count.ops <= most
     merged = _reduce.merge({k: v.numpy() for k, v in parts.items()})
-    finite = x.numpy()[np.isfinite(x.numpy())].astype(np.float64)
-    np.testing.assert_allclose(_reduce.finalize(merged, "std"), finite.std(), rtol=1e-5)
-    np.testing.assert_allclose(_reduce.finalize(merged, "frac_zero"), (finite == 0).mean())
+    data = x.numpy().astype(np.float64)
+    kept = data[np.isfinite(data)]
+    np.testing.assert_allclose(_reduce.finalize(merged, "std"), kept.std(), rtol=1e-5)
+    np.testing.assert_allclose(_reduce.finalize(merged, "frac_zero"), (kept == 0).mean())
+    if "hist" in stats:
+        np.testing.assert_array_equal(
+            _reduce.finalize(merged, "hist"),
+            np.histogram(np.clip(kept, -1, 1), bins=8, range=(-1, 1))[0])
+        for stat, fn in (("min", np.min), ("max", np.max), ("absmax", lambda v: np.abs(v).max())):
+            assert _reduce.finalize(merged, stat) == pytest.approx(fn(kept), rel=1e-6)
+        assert _reduce.finalize(merged, "nan_count") == np.isnan(data).sum()
+        assert _reduce.finalize(merged, "inf_count") == np.isinf(data).sum()
 
 
 @pytest.mark.parametrize("jit", [False, "auto"])

@@ -574,7 +574,7 @@ def flatten_layers(model):
 # JAX: callscope's copy of the stock train/test step, for intermediate grads
 # (keras 3.15.1: backend/jax/trainer.py:98-196)
 # --------------------------------------------------------------------------
-def is_stock_jax_step(model, kind):
+def is_stock_step(model, kind):
     """True when `model` uses Keras's own `<kind>_step`, not a user override.
 
     Decided by where the method is defined, not by a class name: keras main has
@@ -587,8 +587,10 @@ def is_stock_jax_step(model, kind):
 
 def jax_stock_step(model, kind, state, data, differentiate):
     """Keras's JAX `train_step`/`test_step` (3.15.1: backend/jax/trainer.py:98-196),
-    with the gradient taken by `differentiate(forward, trainable, training)`, which
-    returns `((loss, aux), weight_grads or None)`. The state layouts, the
+    with the gradient taken by `differentiate(forward, trainable, scale)`, which
+    returns `((loss, aux), weight_grads or None)`. `scale` is what the training
+    loss is multiplied by before it is differentiated (`optimizer.scale_loss`: 1,
+    or a `LossScaleOptimizer`'s scale; None in a test step). The state layouts, the
     `compute_loss_and_updates` signature and its aux 4-tuple are Keras's own."""
     training = kind == "train"
     if training:
@@ -604,7 +606,14 @@ def jax_stock_step(model, kind, state, data, differentiate):
             training=training, optimizer_variables=optimizer_vars,
         )
 
-    (_, aux), grads = differentiate(forward, trainable, training)
+    scale = None
+    if training:
+        # As compute_loss_and_updates scales the loss (3.15.1: trainer.py:76-77),
+        # with the optimizer's variables of this step.
+        mapping = list(zip(model.optimizer.variables, optimizer_vars))
+        with keras.StatelessScope(state_mapping=mapping):
+            scale = model.optimizer.scale_loss(keras.ops.ones((), "float32"))
+    (_, aux), grads = differentiate(forward, trainable, scale)
     unscaled_loss, y_pred, non_trainable, metrics_vars = aux
     if training:
         trainable, optimizer_vars = model.optimizer.stateless_apply(

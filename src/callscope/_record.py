@@ -115,6 +115,7 @@ class Collector:
         self.grad_sources: dict[str, list] = {}
         self.perturbations: dict | None = None
         self.loss = None  # set by the loss hook, for TensorFlow's outer tape
+        self.grad_hooks = None  # torch: gradients taken by the step's own backward()
         self.manual = False  # cs.intermediate_grads takes the gradients itself
         self.rows = None  # the root call's batch size (patches that take the batch)
         self.inputs = None  # _inputs.Reader in a compiled step: ranges found are inputs

@@ -56,7 +56,7 @@ def _perturbed(collector, forward):
 
 
 def step_with_grads(model, kind, step, args, kwargs, collector):
-    if not _keras_compat.is_stock_jax_step(model, kind):
+    if not _keras_compat.is_stock_step(model, kind):
         raise ValueError(
             f"cs.capture(kinds=('grad',)) on JAX differentiates through callscope's own "
             f"copy of Keras's {kind}_step, and `{type(model).__name__}` overrides "
@@ -65,13 +65,16 @@ def step_with_grads(model, kind, step, args, kwargs, collector):
             f"{kind}_step"
         )
 
-    def differentiate(forward, trainable, training):
+    def differentiate(forward, trainable, scale):
         zeros = _zeros(collector, forward, trainable)
         perturbed = _perturbed(collector, forward)
-        if training:
+        if scale is not None:  # training: the loss differentiated is loss * scale
             grad_fn = jax.value_and_grad(lambda t, p: perturbed(p, t), argnums=(0, 1),
                                          has_aux=True)
             (loss, aux), (grads, source_grads) = grad_fn(trainable, zeros)
+            # In float32: a float16 gradient cannot hold a scale above 65504.
+            source_grads = {name: (g.astype("float32") / scale).astype(g.dtype)
+                            for name, g in source_grads.items()}
         else:
             grad_fn = jax.value_and_grad(lambda p: perturbed(p, trainable), has_aux=True)
             (loss, aux), source_grads = grad_fn(zeros)

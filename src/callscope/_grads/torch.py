@@ -1,6 +1,15 @@
-"""torch: `torch.autograd.grad(loss, sources, retain_graph=True)` before the step's
-own `backward()`, so the weights' gradients are untouched. Keras runs test steps
-under `no_grad`; gradients of an evaluate re-enable it for the step.
+"""torch: d loss / d source from the backward pass of the step, or from one of its own.
+
+In Keras's own `train_step`, hooks on the loss and on every source take their
+gradients during the step's `loss.backward()`: no second backward pass (it cost
+about a third of a step). The loss's hook gives what backward started from (1,
+or a `LossScaleOptimizer`'s scale), by which the sources' gradients are divided:
+each is then d loss / d source, as Keras's unscaled loss defines it. Elsewhere
+(a test step, a custom `train_step` whose backward may not be of this loss, a
+model without trainable weights that never calls backward, or inside
+`torch.compile`), `torch.autograd.grad(loss, sources, retain_graph=True)` runs
+before the step's own backward, so the weights' gradients are untouched. Keras
+runs test steps under `no_grad`; gradients of an evaluate re-enable it.
 
 Each source is a node of its own (a view of the value, or a leaf that requires
 grad): a layer that returns its input unchanged (`Identity`) then gets the
@@ -9,9 +18,10 @@ gradient of the paths through its output only, as on JAX and TensorFlow.
 
 from __future__ import annotations
 
+import keras
 import torch
 
-from callscope import _grads
+from callscope import _grads, _keras_compat
 
 
 def _source(value):
@@ -28,16 +38,64 @@ def _file(collector, loss) -> None:
     collector.grad_sources.clear()
 
 
+class _Hooks:
+    """The gradients one backward pass gives the loss and each source."""
+
+    def __init__(self, scaled: bool):
+        self.scaled = scaled  # divide by what backward started from (the loss scale)
+        self.loss = None  # what backward started from: 1, or the loss scale
+        self.sources: dict[str, torch.Tensor] = {}
+        self.tensors: list[tuple[str, torch.Tensor]] = []
+
+    def watch(self, collector, loss) -> None:
+        self.tensors = collector.grad_source_list()
+        collector.grad_sources.clear()
+        loss.register_hook(self._at_loss)
+        for name, tensor in self.tensors:
+            tensor.register_hook(lambda grad, name=name: self.sources.__setitem__(name, grad))
+
+    def _at_loss(self, grad) -> None:
+        self.loss = grad
+
+    def file(self, collector) -> None:
+        if self.loss is None:  # Keras's train_step always calls backward (3.15.1)
+            raise RuntimeError(
+                "callscope found no backward pass through the loss in Keras's own "
+                "train_step, so the gradients of the captured points are unknown. "
+                "Please report this with your Keras version. Received: keras "
+                f"{keras.__version__}")
+
+        def unscaled(grad, dtype):  # in float32: float16 cannot hold a scale > 65504
+            return (grad.float() / self.loss.float()).to(dtype) if self.scaled else grad
+
+        collector.add_grads({
+            name: unscaled(self.sources[name], tensor.dtype).detach()
+            if name in self.sources else torch.zeros_like(tensor)
+            for name, tensor in self.tensors})
+
+
 def at_loss(collector, loss) -> None:
     _grads.note_loss(collector, loss)
-    _file(collector, loss)
+    if collector.grad_hooks is not None:
+        collector.grad_hooks.watch(collector, loss)
+    else:
+        _file(collector, loss)
 
 
 def step_with_grads(model, kind, step, args, kwargs, collector):
     collector.on_grad_source = _source
+    if (kind == "train" and _keras_compat.is_stock_step(model, kind)
+            and model.optimizer is not None and model.trainable_weights
+            and not torch.compiler.is_compiling()):
+        # Only an optimizer that overrides `scale_loss` (LossScaleOptimizer) scales.
+        collector.grad_hooks = _Hooks(
+            type(model.optimizer).scale_loss is not keras.optimizers.Optimizer.scale_loss)
     with torch.enable_grad():
         result = step(model, *args, **kwargs)
     _grads.require_loss(collector, kind)
+    if collector.grad_hooks is not None:
+        collector.grad_hooks.file(collector)
+        collector.grad_hooks = None
     return result
 
 
