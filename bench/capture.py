@@ -10,7 +10,9 @@ Per backend, on the issue's workload (8 x Dense(512) on 8192 x 256, batch 256), 
    speed-up: higher is better);
 4. statistics-only capture of the 8 blocks during fit vs plain fit;
 5. gradient and output statistics (rms, absmax) during fit vs plain fit;
-6. streaming capture (`to=`) peak RSS growth when the data grows 4x.
+6. streaming capture (`to=`) peak RSS growth when the data grows 4x;
+7. 4 and 5 again with the statistics kernels replaced by a constant: what the
+   rest of the capture costs (a diagnostic; its values are wrong).
 
 Usage:
     python bench/capture.py                  # jax, tensorflow, torch
@@ -132,6 +134,30 @@ def run_backend(repeats):
 
     r, m, t = _ratio(grad_stats_fit, lambda: plain.fit(x, y, batch_size=BATCH, verbose=0), repeats)
     rows.append(("grad + output stats of 8 blocks in fit vs plain", r, m, t, "target <= 1.15"))
+
+    # 7. What bounds 4 and 5: the same captures with the statistics kernels replaced
+    # by a constant (a diagnostic: the values are wrong). What is left is the cost
+    # of carrying the partials out of the step and merging them on the host.
+    from callscope import _reduce
+
+    kernels = _reduce.partials
+
+    def constant_partials(value, stats, bins=32, hist_range=None):
+        one = keras.ops.ones((1,), "float32")
+        return {p: one for s in stats for p in _reduce._NEEDS[s]}
+
+    _reduce.partials = constant_partials
+    try:
+        compiled(plain)  # drops the steps traced with the real kernels
+        r, m, t = _ratio(stats_fit, lambda: plain.fit(x, y, batch_size=BATCH, verbose=0),
+                         repeats)
+        rows.append(("  4 without its statistics kernels", r, m, t, "diagnostic"))
+        r, m, t = _ratio(grad_stats_fit, lambda: plain.fit(x, y, batch_size=BATCH, verbose=0),
+                         repeats)
+        rows.append(("  5 without its statistics kernels", r, m, t, "diagnostic"))
+    finally:
+        _reduce.partials = kernels
+        compiled(plain)
 
     print(f"\n{keras.backend.backend()} (keras {keras.__version__}, {repeats} repeats)")
     print(f"  {'':<46} {'best':>7} {'median':>7}")

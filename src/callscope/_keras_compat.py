@@ -585,12 +585,19 @@ def is_stock_step(model, kind):
     return owner.__module__.split(".")[0] == "keras"
 
 
+def scales_loss(optimizer) -> bool:
+    """True for an optimizer whose `scale_loss` is not the base class's identity
+    (a `LossScaleOptimizer`): the loss a train step differentiates is scaled."""
+    return (optimizer is not None
+            and type(optimizer).scale_loss is not keras.optimizers.Optimizer.scale_loss)
+
+
 def jax_stock_step(model, kind, state, data, differentiate):
     """Keras's JAX `train_step`/`test_step` (3.15.1: backend/jax/trainer.py:98-196),
-    with the gradient taken by `differentiate(forward, trainable, scale)`, which
-    returns `((loss, aux), weight_grads or None)`. `scale` is what the training
-    loss is multiplied by before it is differentiated (`optimizer.scale_loss`: 1,
-    or a `LossScaleOptimizer`'s scale; None in a test step). The state layouts, the
+    with the gradient taken by `differentiate(forward, trainable, training, scale)`,
+    which returns `((loss, aux), weight_grads or None)`. `scale` is what the training
+    loss is multiplied by before it is differentiated (a `LossScaleOptimizer`'s
+    scale), or None where nothing scales it. The state layouts, the
     `compute_loss_and_updates` signature and its aux 4-tuple are Keras's own."""
     training = kind == "train"
     if training:
@@ -607,13 +614,13 @@ def jax_stock_step(model, kind, state, data, differentiate):
         )
 
     scale = None
-    if training:
+    if training and scales_loss(model.optimizer):
         # As compute_loss_and_updates scales the loss (3.15.1: trainer.py:76-77),
         # with the optimizer's variables of this step.
         mapping = list(zip(model.optimizer.variables, optimizer_vars))
         with keras.StatelessScope(state_mapping=mapping):
             scale = model.optimizer.scale_loss(keras.ops.ones((), "float32"))
-    (_, aux), grads = differentiate(forward, trainable, scale)
+    (_, aux), grads = differentiate(forward, trainable, training, scale)
     unscaled_loss, y_pred, non_trainable, metrics_vars = aux
     if training:
         trainable, optimizer_vars = model.optimizer.stateless_apply(

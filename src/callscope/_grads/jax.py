@@ -65,16 +65,17 @@ def step_with_grads(model, kind, step, args, kwargs, collector):
             f"{kind}_step"
         )
 
-    def differentiate(forward, trainable, scale):
+    def differentiate(forward, trainable, training, scale):
         zeros = _zeros(collector, forward, trainable)
         perturbed = _perturbed(collector, forward)
-        if scale is not None:  # training: the loss differentiated is loss * scale
+        if training:
             grad_fn = jax.value_and_grad(lambda t, p: perturbed(p, t), argnums=(0, 1),
                                          has_aux=True)
             (loss, aux), (grads, source_grads) = grad_fn(trainable, zeros)
-            # In float32: a float16 gradient cannot hold a scale above 65504.
-            source_grads = {name: (g.astype("float32") / scale).astype(g.dtype)
-                            for name, g in source_grads.items()}
+            if scale is not None:  # it differentiated loss * scale
+                # In float32: a float16 gradient cannot hold a scale above 65504.
+                source_grads = {name: (g.astype("float32") / scale).astype(g.dtype)
+                                for name, g in source_grads.items()}
         else:
             grad_fn = jax.value_and_grad(lambda p: perturbed(p, trainable), has_aux=True)
             (loss, aux), source_grads = grad_fn(zeros)

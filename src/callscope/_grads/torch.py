@@ -87,9 +87,7 @@ def step_with_grads(model, kind, step, args, kwargs, collector):
     if (kind == "train" and _keras_compat.is_stock_step(model, kind)
             and model.optimizer is not None and model.trainable_weights
             and not torch.compiler.is_compiling()):
-        # Only an optimizer that overrides `scale_loss` (LossScaleOptimizer) scales.
-        collector.grad_hooks = _Hooks(
-            type(model.optimizer).scale_loss is not keras.optimizers.Optimizer.scale_loss)
+        collector.grad_hooks = _Hooks(_keras_compat.scales_loss(model.optimizer))
     with torch.enable_grad():
         result = step(model, *args, **kwargs)
     _grads.require_loss(collector, kind)
