@@ -158,8 +158,11 @@ class CaptureMixin:
                 return
             resolved.noted = True
         state = self._cs
+        # (By point, not by value: a compiled step after a graph break would
+        # inspect the recorded tensors.)
+        loops = collector.loops
         _scope.join_after(_scope.Later(state.seen), dict.fromkeys(
-            p for _, p, _, v, _ in collector.tree if v is not _record.LOOP))
+            entry[1] for entry in collector.tree if entry[1] not in loops))
         _scope.join_after(_scope.Later(state.loops), collector.loops)
 
     def _cs_check_reached(self, run, hits: set) -> None:
