@@ -91,15 +91,16 @@ def replicas_in_step() -> int:
     return 1 if context is None else context.num_replicas_in_sync
 
 
-def replica_split(leaf) -> bool | None:
+def replica_split(data) -> bool | None:
     """Inside a replica of a multi-replica `tf.distribute` step: did each replica
-    get its own part of the batch (True: `leaf`, a tensor of the step's data,
-    differs across replicas, as in fit and evaluate) or every replica the whole
-    batch (False: Keras's `*_on_batch` hand one batch to `strategy.run`)? None
+    get its own part of the batch (True: a tensor of the step's `data` differs
+    across replicas, as in fit and evaluate) or every replica the whole batch
+    (False: Keras's `*_on_batch` hand one batch to `strategy.run`)? None
     elsewhere. Decided while tracing; it adds nothing to the graph."""
     context = _replica_context()
     if context is None:
         return None
+    leaf = next((v for v in keras.tree.flatten(data) if hasattr(v, "shape")), None)
     if leaf is None:
         return True
     import tensorflow as tf

@@ -136,7 +136,7 @@ class CaptureMixin:
                     _record.patching(patches) as active:
                 outputs = self(*args, **kwargs)
                 sown = collector.finalize()
-            self._cs_note_points(collector, active, hits := set())
+            self._cs_note_points(collector, active, _scope.Later(hits := set()))
         self._cs_check_reached(run, hits)
         try:
             run.sink("call", sown)
@@ -146,19 +146,24 @@ class CaptureMixin:
         run.end()
         return outputs
 
-    def _cs_note_points(self, collector, active, hits: set, resolved=None) -> None:
+    def _cs_note_points(self, collector, active, hits: _scope.Later,
+                        resolved=None) -> None:
         """What a trace learned: its points (for error messages), the points it
         found inside loops, and the patched points it reached. The points are
-        noted once per key (`resolved`): torch runs the step's Python every step."""
-        hits.update(active.hits if active else ())
-        if resolved is not None:
+        noted once per key (`resolved`): torch runs the step's Python every step
+        (but a trace runs once, and a compiled step must not guard on the flag)."""
+        _scope.join_after(hits, active.hits if active else ())
+        if resolved is not None and not _backend.is_tracing_now():
             if resolved.noted:
                 return
             resolved.noted = True
         state = self._cs
-        state.seen.update(dict.fromkeys(p for _, p, _, v, _ in collector.tree
-                                        if v is not _record.LOOP))
-        state.loops.update(collector.loops)
+        # (By point, not by value: a compiled step after a graph break would
+        # inspect the recorded tensors.)
+        loops = collector.loops
+        _scope.join_after(_scope.Later(state.seen), dict.fromkeys(
+            entry[1] for entry in collector.tree if entry[1] not in loops))
+        _scope.join_after(_scope.Later(state.loops), collector.loops)
 
     def _cs_check_reached(self, run, hits: set) -> None:
         """A patch that this run's traces never reached is an error, at its end."""

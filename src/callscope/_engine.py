@@ -358,6 +358,10 @@ class Engine(CaptureMixin):
         function = entry.functions[kind]
         if function is None or isinstance(function, RunFunction):
             return function
+        # torch: gradients with respect to intermediates need the step's forward
+        # pass outside one compiled graph (`_keras_compat.own_compile_cache`).
+        grads = any("grad" in spec.kinds for spec in marked(entry.key, CAPTURE))
+        function = _keras_compat.own_compile_cache(function, eager=grads)
         wrapped = entry.functions[kind] = RunFunction(self, kind, function)
         return wrapped
 

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import contextlib
+from types import MappingProxyType
 
 import keras
 import numpy as np
@@ -68,24 +69,39 @@ def step_closure(model, kind, values, specs, patches, reads, hits, used):
     """
     step = getattr(type(model), f"{kind}_step")
     resolved = _record.Resolved()  # selections, once per key (torch: not per step)
+    values = MappingProxyType(dict(values))
+    reads, hits = _scope.Later(reads), _scope.Later(hits)
 
     def scoped_step(*args, **kwargs):
-        with _scope.pushed(_scope.sealed(values, reads)):
+        # `try`/`finally`, not `with`: see `_scope.push`.
+        frame = _scope.sealed(values)
+        token = _scope.push(frame)
+        try:
             if not specs and not patches:
                 return step(model, *args, **kwargs)
-            offset = model._cs.rows_offset if patches else None
-            args, inputs = _inputs.unwrap(model, args, used)
-            with _record.collecting_for(specs, kind, resolved) as collector, \
-                    _record.patching(patches, offset, inputs) as active:
-                collector.inputs = inputs
-                if collector.wants_grads and kind != "predict":
-                    result = _steps.step_with_grads(model, kind, step, args, kwargs, collector)
-                else:
-                    result = step(model, *args, **kwargs)
-                result = _steps.unsmuggle(result, collector)
-                model._cs_note_points(collector, active, hits, resolved)
-                sown = _steps.finalize(collector, kind, args, kwargs)
-                return _steps.attach(kind, result, sown) if sown else result
+            return _recording_step(*args, **kwargs)
+        finally:
+            _scope.pop(token)
+            _scope.join_after(reads, frame.reads)
+
+    def _recording_step(*args, **kwargs):
+        offset = model._cs.rows_offset if patches else None
+        args, inputs = _inputs.unwrap(model, args, used)
+        collector = _record.Collector(specs, kind, resolved)
+        active = _record.Patches(patches, offset, inputs) if patches else None
+        outer = _record.activate(collector, active)
+        try:
+            collector.inputs = inputs
+            if collector.wants_grads and kind != "predict":
+                result = _steps.step_with_grads(model, kind, step, args, kwargs, collector)
+            else:
+                result = step(model, *args, **kwargs)
+            result = _steps.unsmuggle(result, collector)
+            model._cs_note_points(collector, active, hits, resolved)
+            sown = _steps.finalize(collector, kind, args, kwargs)
+            return _steps.attach(kind, result, sown) if sown else result
+        finally:
+            _record.activate(*outer)
 
     scoped_step.__name__ = f"{kind}_step"
     return scoped_step

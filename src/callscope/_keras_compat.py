@@ -15,10 +15,10 @@ so a Keras upgrade that moves one fails loudly instead of silently.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 import inspect
 import itertools
+import threading
 
 import keras
 
@@ -192,6 +192,36 @@ def state_mapping(model, state) -> list:
     if len(state) > 2:
         pairs += list(zip(model.metrics_variables, state[-1]))
     return pairs
+
+
+def own_compile_cache(function, *, eager: bool = False):
+    """A made function that Keras compiled with `torch.compile` (keras 3.15.1
+    backend/torch/trainer.py:128, 149, 170: `torch.compile(one_step_on_data)`),
+    compiled again with its own cache of compiled frames (torch 2.13:
+    `isolate_recompiles=True`; `_torchdynamo_orig_callable` holds the function
+    `torch.compile` wrapped). Every key's function, of every model, compiles the
+    same code (Keras's `one_step_on_data` and `train_step`): sharing one cache,
+    each key and model would count against dynamo's recompile limit of the others.
+
+    `eager`: the function uncompiled. Gradients with respect to intermediates
+    (`kinds=("grad",)`) are `torch.autograd.grad(loss, sources)` in the loss hook,
+    which dynamo does not trace (`trace_autograd_ops` is off): the forward pass
+    up to the loss is then one compiled autograd function whose outputs are both
+    the sources and the loss, and the gradient of one of its outputs with respect
+    to another is silently zero. Run eagerly, the values are right.
+
+    Anything else is returned as it is (a torch without the option shares the
+    cache)."""
+    original = getattr(function, "_torchdynamo_orig_callable", None)
+    if original is None or keras.backend.backend() != "torch":
+        return function
+    if eager:
+        return original
+    import torch
+
+    if "isolate_recompiles" not in inspect.signature(torch.compile).parameters:
+        return function
+    return torch.compile(original, isolate_recompiles=True)
 
 
 def replicas(model) -> int:
@@ -449,14 +479,21 @@ def serialize_as(stock_cls, cls):
         names[cls] = names[stock_cls]
 
 
-_LOOP_DEPTH = contextvars.ContextVar("callscope_loop_depth", default=0)
+class _LoopDepth(threading.local):
+    # Thread-local, not a ContextVar: loops run synchronously, and torch.compile
+    # traces an attribute read where `ContextVar.get` breaks the graph (torch 2.13).
+    def __init__(self):
+        self.depth = 0
+
+
+_LOOP_DEPTH = _LoopDepth()
 _LOOPS = ("map", "vectorized_map", "scan", "associative_scan", "while_loop", "fori_loop",
           "cond", "switch")
 
 
 def loop_depth() -> int:
     """How many `keras.ops` loops or branches the running Python is inside."""
-    return _LOOP_DEPTH.get()
+    return _LOOP_DEPTH.depth
 
 
 def mark_loops() -> None:
@@ -479,11 +516,11 @@ def mark_loops() -> None:
 
         @functools.wraps(loop)
         def counted(*args, _loop=loop, **kwargs):
-            token = _LOOP_DEPTH.set(_LOOP_DEPTH.get() + 1)
+            _LOOP_DEPTH.depth += 1
             try:
                 return _loop(*args, **kwargs)
             finally:
-                _LOOP_DEPTH.reset(token)
+                _LOOP_DEPTH.depth -= 1
 
         counted._callscope_loop = True
         setattr(core, name, counted)

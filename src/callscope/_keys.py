@@ -38,6 +38,10 @@ def is_tensor_like(value: Any) -> bool:
 
 def check_static(name: str, value: Any) -> None:
     """Raises a clear error unless `value` can be part of a compiled-function key."""
+    # The plain types first: a compiled torch step checks the values again, and
+    # dynamo cannot trace `is_tensor_like`'s `str.split` of a module name.
+    if type(value) in STATIC_TYPES and not (isinstance(value, float) and math.isnan(value)):
+        return
     if is_tensor_like(value):
         raise TypeError(
             f"Context argument `{name}` is static: each distinct value gets its own "

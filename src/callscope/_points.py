@@ -13,6 +13,7 @@ compiled function's key.
 from __future__ import annotations
 
 import fnmatch
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -136,12 +137,20 @@ class Spec:
     ranges: Ranges | None = None  # ranges found from first batches, where not given
     owner: int = 0  # id of the model whose capture this is (points are named from it)
 
+    def __post_init__(self):
+        # The globs as compiled patterns, made here: `fnmatch.fnmatchcase` compiles
+        # them behind a cache that torch.compile cannot trace (a graph break per
+        # point); a compiled pattern's `match` it can.
+        patterns = () if self.select is None or callable(self.select) else tuple(
+            re.compile(fnmatch.translate(pattern)) for pattern in self.select)
+        object.__setattr__(self, "_patterns", patterns)
+
     def selects(self, point: str, layer: Any, sown: bool) -> bool:
         if self.select is None:
             return sown
         if callable(self.select):
             return bool(self.select(point, layer))
-        return any(fnmatch.fnmatchcase(point, pattern) for pattern in self.select)
+        return any(pattern.match(point) is not None for pattern in self._patterns)
 
     def given_range(self, kind: str) -> tuple[float, float] | None:
         for name, lo, hi in self.hist_range:

@@ -24,8 +24,8 @@ Globs skip it; naming it exactly, or patching it, raises `LoopPointError`.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import inspect
+import threading
 from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
 
@@ -41,10 +41,24 @@ OUTPUTS = "__callscope_outputs__"
 ROWS = "__callscope_rows__"  # a step's batch size, for patches that take the batch
 LOOP = object()  # the tree's value for a point inside a loop
 RESERVED = ("/", ":", "@", "|", "#", "*", "?", "[", "]")
-_COLLECTOR: contextvars.ContextVar = contextvars.ContextVar("callscope_collector", default=None)
-_ACTIVE_PATCHES: contextvars.ContextVar = contextvars.ContextVar("callscope_patching",
-                                                                 default=None)
 _TORCH = keras.backend.backend() == "torch"
+
+
+class _Active(threading.local):
+    """The collector and patches of the step or eager call running in this thread.
+
+    Thread-local, not a `ContextVar`: both are set around synchronous code only,
+    and torch.compile traces an attribute read where `ContextVar.get` breaks the
+    graph (torch 2.13). Set in `__init__` (each thread's first use): an
+    attribute that is first a class default, then the instance's own, fails a
+    compiled step's guard once."""
+
+    def __init__(self):
+        self.collector: Collector | None = None
+        self.patches: Patches | None = None
+
+
+_ACTIVE = _Active()
 
 
 class LoopPointError(ValueError):
@@ -96,23 +110,51 @@ class Resolved:
         self.noted = False  # the points of a step were noted (`_cs_note_points`)
 
 
+class _Fresh:
+    """A dict attribute made at its first use, not with its object.
+
+    torch.compile traces Keras's torch `train_step` as a frame of its own (it
+    breaks the graph at `backward()`), entered with the step's collector made.
+    Had the collector's dicts been made with it, the first record would change a
+    dict from before the trace, after which dynamo refuses every mappingproxy
+    (Keras reads `inspect.signature(...).parameters` in each layer call): a graph
+    break per layer. A dict made inside the trace may change freely.
+    """
+
+    def __set_name__(self, owner, name):
+        self.name = f"_{name}"
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self
+        value = getattr(obj, self.name, None)
+        if value is None:
+            value = {}
+            setattr(obj, self.name, value)
+        return value
+
+    def __set__(self, obj, value):
+        setattr(obj, self.name, value)
+
+
 class Collector:
     """Names points and records what the active specs select, during one step or
     one eager call."""
+
+    records = _Fresh()  # "index|point|kind" -> values
+    owners = _Fresh()  # point -> id(layer): instances never share
+    loops = _Fresh()  # point inside a loop -> the layer running it
+    grad_sources = _Fresh()  # "index|point|grad" -> gradient sources
 
     def __init__(self, specs: tuple[Spec, ...], kind: str = "call",
                  resolved: Resolved | None = None):
         self.specs = specs
         self.kind = kind  # train, test, predict or call: which histogram ranges apply
         self.resolved = resolved if resolved is not None else Resolved()
-        self.records: dict[str, list] = {}
         self.stack: list[_Frame] = []
-        self.owners: dict[str, int] = {}  # point -> id(layer): instances never share
-        self.loops: dict[str, str] = {}  # point inside a loop -> the layer running it
         self.tree: list[tuple] = []  # (depth, point, layer, value, sown) for summary
         self.wants_inputs = any("input" in spec.kinds for spec in specs)
         self.wants_grads = any("grad" in spec.kinds for spec in specs)
-        self.grad_sources: dict[str, list] = {}
         self.perturbations: dict | None = None
         self.loss = None  # set by the loss hook, for TensorFlow's outer tape
         self.grad_hooks = None  # torch: gradients taken by the step's own backward()
@@ -222,7 +264,11 @@ class Collector:
             grads = kind == "output" and "grad" in spec.kinds
             if base_kind in spec.kinds or grads:
                 found.append((index, point, base_kind in spec.kinds, grads))
-        self.resolved.selection[cache_key] = (layer, tuple(found))
+        if not _backend.is_tracing_now():
+            # (A trace runs this once anyway; under torch.compile, a dict from
+            # before the trace must not change while layers run, see
+            # `_scope.ScopeVar`.)
+            self.resolved.selection[cache_key] = (layer, tuple(found))
         return tuple(found)
 
     def grad_source_list(self) -> list[tuple[str, Any]]:
@@ -302,7 +348,7 @@ def _differentiable_source():
 
 
 def active_collector() -> Collector | None:
-    return _COLLECTOR.get()
+    return _ACTIVE.collector
 
 
 @contextlib.contextmanager
@@ -311,11 +357,20 @@ def collecting_for(specs: tuple[Spec, ...], kind: str = "call",
     """Opens a collector for `specs` in this context (inside a `kind` step, or
     eagerly); `resolved` is what the key's earlier steps resolved."""
     collector = Collector(specs, kind, resolved)
-    token = _COLLECTOR.set(collector)
+    outer = activate(collector, _ACTIVE.patches)
     try:
         yield collector
     finally:
-        _COLLECTOR.reset(token)
+        activate(*outer)
+
+
+def activate(collector: Collector | None, patches: Patches | None) -> tuple:
+    """Makes `collector` and `patches` this thread's active ones; returns the ones
+    before, to `activate` again after. (A compiled step uses this in `try`/`finally`
+    rather than `collecting_for` and `patching`: see `_scope.push`.)"""
+    outer = (_ACTIVE.collector, _ACTIVE.patches)
+    _ACTIVE.collector, _ACTIVE.patches = collector, patches
+    return outer
 
 
 class Collected:
@@ -483,14 +538,14 @@ class RecordingCall:
 
     def __call__(self, *args, **kwargs):
         original = self.__wrapped__
-        collector = _COLLECTOR.get()
+        collector = _ACTIVE.collector
         if collector is None or _symbolic(args, kwargs):
             return original(*args, **kwargs)
         layer = self.layer
         if collector.stack and collector.stack[-1].layer is layer:  # call <-> quantized_call
             return original(*args, **kwargs)
         point = collector.name(layer, self.local)
-        patches = _ACTIVE_PATCHES.get()
+        patches = _ACTIVE.patches
         marker = _backend.trace_marker()
         depth = len(collector.stack)
         if collector.in_loop(marker):
@@ -652,7 +707,7 @@ class Patches:
         return None
 
     def apply(self, point: str, value: Any, layer=None, own=None) -> Any:
-        found = self.find(point, _COLLECTOR.get(), layer, own)
+        found = self.find(point, _ACTIVE.collector, layer, own)
         if found is None:
             return value
         owner, name, fn = found
@@ -694,14 +749,15 @@ class Patches:
 
 
 def active_patches() -> Patches | None:
-    return _ACTIVE_PATCHES.get()
+    return _ACTIVE.patches
 
 
 @contextlib.contextmanager
 def patching(functions: tuple, offset=None, inputs=None) -> Iterator[Patches | None]:
     patches = Patches(functions, offset, inputs) if functions else None
-    token = _ACTIVE_PATCHES.set(patches)
+    outer = activate(_ACTIVE.collector, patches)
     try:
         yield patches
     finally:
-        _ACTIVE_PATCHES.reset(token)
+        activate(*outer)
+

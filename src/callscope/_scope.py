@@ -12,12 +12,18 @@ A `Frame` is one immutable layer of context values. Frames pushed eagerly (by
 *sealed* frame holding exactly the values of its key; a value that a trace would
 read but that its key does not hold is an error (`StrayValueError`), never a
 constant frozen into the trace.
+
+While a made function runs (`steps_of`), the scopes are read from a thread-local
+copy instead of the `contextvars` (`ScopeVar`): torch.compile cannot trace
+`ContextVar.get`, and a graph break in every layer's wrapper would compile each
+layer's resumed frame apart, up to dynamo's recompile limit.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -54,14 +60,69 @@ class Frame:
     reads: set | None = None
 
 
+class _Pinned(threading.local):
+    """While a made function runs in this thread (`steps_of`): `on`, each
+    `ScopeVar`'s value as an attribute of its name, `given` the caller's set
+    values, and `joins` the sets to update after the call (`join_after`).
+    (Set in `__init__`, each thread's first use: an attribute that is first a class
+    default, then the instance's own, fails a compiled step's guard once.)"""
+
+    def __init__(self):
+        self.on = False
+        self.given = {}
+        self.joins = []
+        for var in _VARS:
+            setattr(self, var.name, var.var.get())
+
+
+
+class _PinnedToken(tuple):
+    """What `ScopeVar.set` returns while pinned: `(value before,)`."""
+
+
+class ScopeVar:
+    """A `ContextVar`, but for the length of a made function's call (`steps_of`).
+
+    torch.compile's dynamo cannot trace `ContextVar.get` or `set` (torch 2.13: a
+    graph break), and a compiled step reads the scopes in every layer. `steps_of`
+    copies every scope into attributes of a thread-local object, which a step reads
+    and writes instead: dynamo traces that, and guards on what it read. (Not a dict:
+    dynamo refuses a mappingproxy, such as Keras's `inspect.signature(...)
+    .parameters` in every layer call, once a dict that existed before the trace has
+    changed.) A made function runs synchronously in the caller's thread
+    (tf.distribute replica threads see neither), so it sees exactly what the
+    `ContextVar`s would give it.
+    """
+
+    def __init__(self, name: str, default: Any):
+        self.name = name
+        self.var = contextvars.ContextVar(f"callscope_{name}", default=default)
+
+    def get(self) -> Any:
+        return getattr(_PINNED, self.name) if _PINNED.on else self.var.get()
+
+    def set(self, value: Any):
+        if not _PINNED.on:
+            return self.var.set(value)
+        token = _PinnedToken((getattr(_PINNED, self.name),))
+        setattr(_PINNED, self.name, value)
+        return token
+
+    def reset(self, token) -> None:
+        if isinstance(token, _PinnedToken):
+            setattr(_PINNED, self.name, token[0])
+        else:
+            self.var.reset(token)
+
+
 _ROOT = Frame()  # immutable: safe as a ContextVar default
-_FRAME: contextvars.ContextVar[Frame] = contextvars.ContextVar(
-    "callscope_frame", default=_ROOT)  # noqa: B039
-_CAPTURES: contextvars.ContextVar[tuple] = contextvars.ContextVar("callscope_captures", default=())
-_PATCHES: contextvars.ContextVar[tuple] = contextvars.ContextVar("callscope_patches", default=())
-_RUNS: contextvars.ContextVar[tuple] = contextvars.ContextVar("callscope_runs", default=())
-_STEPPING: contextvars.ContextVar[tuple] = contextvars.ContextVar("callscope_stepping",
-                                                                  default=())
+_FRAME = ScopeVar("frame", _ROOT)
+_CAPTURES = ScopeVar("captures", ())
+_PATCHES = ScopeVar("patches", ())
+_RUNS = ScopeVar("runs", ())
+_STEPPING = ScopeVar("stepping", ())
+_VARS = (_FRAME, _CAPTURES, _PATCHES, _RUNS, _STEPPING)
+_PINNED = _Pinned()
 
 
 class StrayValueError(RuntimeError):
@@ -87,11 +148,23 @@ def frame() -> Frame:
 
 @contextlib.contextmanager
 def pushed(frame_: Frame) -> Iterator[None]:
-    token = _FRAME.set(frame_)
+    token = push(frame_)
     try:
         yield
     finally:
-        _FRAME.reset(token)
+        pop(token)
+
+
+def push(frame_: Frame):
+    """`pushed` without a context manager, for a compiled step: dynamo cannot
+    resume after a graph break (Keras's torch `train_step` has one, at
+    `backward()`) inside a generator's `with`, only inside `try`/`finally`. Returns
+    the token for `pop`."""
+    return _FRAME.set(frame_)
+
+
+def pop(token) -> None:
+    _FRAME.reset(token)
 
 
 def overlay(values: Mapping[str, Any], *, keyed: bool) -> Frame:
@@ -105,14 +178,20 @@ def overlay(values: Mapping[str, Any], *, keyed: bool) -> Frame:
                  current.reads)
 
 
-def sealed(values: Mapping[str, Any], reads: set) -> Frame:
-    """The frame a compiled step runs under: exactly `values` (its key's).
+def sealed(values: Mapping[str, Any]) -> Frame:
+    """The frame one call of a compiled step runs under: exactly `values` (its key's,
+    a mapping that never changes), with the caller's values outside them (reading
+    one raises), and a `reads` set of its own, for the names outside the key that
+    the step looks up. The caller adds those to the key's after the step: a
+    compiled step must not change a set from before its trace while layers run
+    (see `ScopeVar`).
 
-    Names outside the key that the step looks up are added to `reads`."""
-    current = _FRAME.get()
-    outside = {n: v for n, v in current.values.items() if v is not None and n not in values}
-    return Frame(MappingProxyType(dict(values)), True, MappingProxyType(outside),
-                 frozenset(values), reads)
+    Inside a made function, the caller's set values were noted by `steps_of`; only
+    their names are compared here, so a compiled step never guards on a dynamic
+    value (a float would recompile at every new value)."""
+    given = _PINNED.given if _PINNED.on else _FRAME.var.get().values
+    outside = {n: given[n] for n in given if n not in values and given[n] is not None}
+    return Frame(values, True, MappingProxyType(outside), frozenset(values), set())
 
 
 def check_unkeyed(reads, keyed) -> None:
@@ -202,7 +281,7 @@ def current(name: str, default: Any = None) -> Any:
 # Open captures and patches, and the runs in progress
 # --------------------------------------------------------------------------
 @contextlib.contextmanager
-def opened(var: contextvars.ContextVar, item: Any) -> Iterator[None]:
+def opened(var: ScopeVar, item: Any) -> Iterator[None]:
     token = var.set((*var.get(), item))
     try:
         yield
@@ -210,11 +289,11 @@ def opened(var: contextvars.ContextVar, item: Any) -> Iterator[None]:
         var.reset(token)
 
 
-def enter_capture(capture) -> contextvars.Token:
+def enter_capture(capture):
     return _CAPTURES.set((*_CAPTURES.get(), capture))
 
 
-def exit_capture(token: contextvars.Token) -> None:
+def exit_capture(token) -> None:
     _CAPTURES.reset(token)
 
 
@@ -249,9 +328,48 @@ def running(run):
     return opened(_RUNS, run)
 
 
-def steps_of(model):
-    """Marks that `model`'s made function is running (its steps belong to the run)."""
-    return opened(_STEPPING, model)
+@contextlib.contextmanager
+def steps_of(model) -> Iterator[None]:
+    """Marks that `model`'s made function is running (its steps belong to the run),
+    and pins the scopes for its length (`ScopeVar`)."""
+    names = ("on", "given", "joins", *(var.name for var in _VARS))
+    outer = {name: getattr(_PINNED, name) for name in names}
+    values = {var.name: var.get() for var in _VARS}
+    values[_STEPPING.name] = (*values[_STEPPING.name], model)
+    # The caller's set values, for `sealed`: read here, outside the compiled
+    # step (a value not None is set).
+    given = {n: v for n, v in values[_FRAME.name].values.items() if v is not None}
+    joins = []
+    for name, value in {**values, "given": given, "joins": joins, "on": True}.items():
+        setattr(_PINNED, name, value)
+    try:
+        yield
+    finally:
+        for name, value in outer.items():
+            setattr(_PINNED, name, value)
+        for later, items in joins:
+            later.target.update(items)
+
+
+class Later:
+    """A set (or dict) that steps add to after each made function's call
+    (`join_after`). Held in a plain object: a compiled step that hands a set
+    itself on guards on what it holds, and compiles again once it holds more."""
+
+    __slots__ = ("target",)
+
+    def __init__(self, target):
+        self.target = target
+
+
+def join_after(later: Later, items) -> None:
+    """`later.target.update(items)`, or, in a made function's call, when it
+    returns. A step notes what its trace learned in sets of its key (the names it
+    looked up outside the key, the patched points it reached)."""
+    if _PINNED.on:
+        _PINNED.joins.append((later, items))
+    else:
+        later.target.update(items)
 
 
 def stepping(model) -> bool:

@@ -106,8 +106,7 @@ def finalize(collector, kind, args, kwargs) -> dict:
     statistics partials packed into one array (`_reduce.pack`)."""
     if kind == "predict" or not (collector.records or collector.rows is not None):
         return _reduce.pack(collector.finalize())  # Keras concatenates predict's replicas
-    leaf = next((v for v in keras.tree.flatten((args, kwargs)) if hasattr(v, "shape")), None)
-    split = _backend.replica_split(leaf)
+    split = _backend.replica_split((args, kwargs))
     if split is False and collector.records:
         # Every replica ran the whole batch with its loss scaled by 1/replicas, and
         # Keras sums their gradients: one replica's times `replicas` is the step's.
