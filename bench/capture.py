@@ -11,8 +11,8 @@ Per backend, on the issue's workload (8 x Dense(512) on 8192 x 256, batch 256), 
 4. statistics-only capture of the 8 blocks during fit vs plain fit;
 5. gradient and output statistics (rms, absmax) during fit vs plain fit;
 6. streaming capture (`to=`) peak RSS growth when the data grows 4x;
-7. 4 and 5 again with the statistics kernels replaced by a constant: what the
-   rest of the capture costs (a diagnostic; its values are wrong).
+7. 4 again with the statistics kernels replaced by a constant: what the rest of
+   the capture costs (a diagnostic; its values are wrong).
 
 Usage:
     python bench/capture.py                  # jax, tensorflow, torch
@@ -135,7 +135,7 @@ def run_backend(repeats):
     r, m, t = _ratio(grad_stats_fit, lambda: plain.fit(x, y, batch_size=BATCH, verbose=0), repeats)
     rows.append(("grad + output stats of 8 blocks in fit vs plain", r, m, t, "target <= 1.15"))
 
-    # 7. What bounds 4 and 5: the same captures with the statistics kernels replaced
+    # 7. What bounds 4: the same capture with the statistics kernels replaced
     # by a constant (a diagnostic: the values are wrong). What is left is the cost
     # of carrying the partials out of the step and merging them on the host.
     from callscope import _reduce
@@ -152,9 +152,6 @@ def run_backend(repeats):
         r, m, t = _ratio(stats_fit, lambda: plain.fit(x, y, batch_size=BATCH, verbose=0),
                          repeats)
         rows.append(("  4 without its statistics kernels", r, m, t, "diagnostic"))
-        r, m, t = _ratio(grad_stats_fit, lambda: plain.fit(x, y, batch_size=BATCH, verbose=0),
-                         repeats)
-        rows.append(("  5 without its statistics kernels", r, m, t, "diagnostic"))
     finally:
         _reduce.partials = kernels
         compiled(plain)
