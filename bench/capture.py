@@ -1,7 +1,8 @@
 """What capture costs: callscope against stock Keras doing the same work, side by side.
 
-Per backend, on the issue's workload (8 x Dense(512) on 8192 x 256, batch 256), prints ratios measured in one run
-(callscope time / reference time; median of interleaved repeats after a warm-up):
+Per backend, on the issue's workload (8 x Dense(512) on 8192 x 256, batch 256),
+prints ratios measured in one run (callscope time / reference time; median of
+interleaved repeats after a warm-up):
 
 1. `sow` in every block, capture off, vs the same model without `sow` (predict, fit);
 2. full capture of every block in predict vs plain predict, and vs the stock
