@@ -302,11 +302,12 @@ def _torch_partials(value, stats, bins, hist_range):
         if x.dtype != f32:
             x = x.float()
         size = x.numel()
-        if size and x.device.type == "cpu":
+        if size and x.device.type == "cpu" and not torch.compiler.is_compiling():
             total = x.sum()
             # A finite sum means every element is finite (a non-finite one, or an
             # overflow, makes it inf or NaN). Asking costs nothing on the CPU (on a
-            # GPU it would wait for the device, so the masked path runs there).
+            # GPU it would wait for the device, and under torch.compile it would
+            # break the graph: the masked path runs there).
             if math.isfinite(total.item()):
                 return _torch_finite_partials(x, total, needed, bins, hist_range)
         names, scalars, out = [], [], {}
