@@ -151,11 +151,13 @@ def pack(sown: dict) -> dict:
             parts.append(part.reshape(-1, int(np.prod(shape))) if _TORCH else
                          ops.reshape(part, (-1, int(np.prod(shape)))))
     layout = tuple(layout)
-    with _layouts_lock:
-        number = _layouts.get(layout)
-        if number is None:
-            number = _layouts[layout] = len(_by_number)
-            _by_number.append(layout)
+    number = _layouts.get(layout)  # a known layout (every step after the first)
+    if number is None:  # new: numbered once, under the lock
+        with _layouts_lock:
+            number = _layouts.get(layout)
+            if number is None:
+                _by_number.append(layout)
+                number = _layouts[layout] = len(_by_number) - 1
     if _TORCH:
         import torch
 
