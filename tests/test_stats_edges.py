@@ -5,6 +5,7 @@ partials with n == 0 merge as "no data"; a result with no data is NaN, never a
 warning. Values are checked against numpy references on each backend.
 """
 
+import functools
 import warnings
 
 import keras
@@ -309,6 +310,60 @@ def test_partials_compile_with_static_shapes():
         fn = tf.function(lambda t: _reduce.partials(t, ALL, BINS, RANGE), jit_compile=True)
     parts = {k: numpy(v) for k, v in fn(keras.ops.convert_to_tensor(x)).items()}
     _check_partials(parts, x)
+
+
+def _finite_branch_cases():
+    rng = np.random.default_rng(3)
+    relu = np.maximum(rng.normal(size=(16, 4)), 0).astype("float32")  # many zeros
+    offset = (1e4 + rng.normal(size=(16, 4))).astype("float32")  # mean >> std
+    overflow = np.full((4, 4), 3e38, "float32")  # finite, but the sum is inf
+    return [relu, offset, overflow, np.full((3, 4), -0.0, "float32")]
+
+
+@pytest.mark.skipif(BACKEND == "torch", reason="torch has its own fast path (below)")
+@pytest.mark.parametrize("x", _finite_branch_cases(), ids=["relu", "offset", "overflow", "zeros"])
+def test_the_unmasked_branch_gives_what_the_masked_one_gives(x):
+    """A tensor whose sum is finite takes `_finite_partials`; its values must be
+    those of the masked computation, compiled as in a step. The overflow case
+    (finite elements, infinite sum) takes the masked branch."""
+    if BACKEND == "jax":
+        import jax
+
+        compiled = jax.jit
+    else:
+        import tensorflow as tf
+
+        compiled = functools.partial(tf.function, jit_compile=True)
+    flat = keras.ops.reshape(keras.ops.convert_to_tensor(x), (-1,))
+    needed = tuple(sorted({p for names in _reduce._NEEDS.values() for p in names}))
+    fast = compiled(lambda t: _reduce.partials(t, ALL, BINS, RANGE))(flat)
+    masked = compiled(lambda t: _reduce._masked_partials(t, needed, BINS, RANGE))(flat)
+    assert sorted(fast) == sorted(masked)
+    for name in fast:
+        np.testing.assert_allclose(numpy(fast[name])[0], numpy(masked[name]), rtol=1e-6,
+                                   err_msg=name)
+    with np.errstate(over="ignore"):
+        finite_sum = np.isfinite(x.sum(dtype=np.float32))
+    if finite_sum:
+        _check_partials({k: numpy(v) for k, v in fast.items()}, x)
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="only TF traces unknown lengths")
+def test_a_length_unknown_when_traced_may_be_empty_or_not():
+    """Keras's TF steps are traced with an unknown batch size: the unmasked branch
+    then meets empty tensors too (their sum is finite), and must give the masked
+    branch's identities."""
+    import tensorflow as tf
+
+    fn = tf.function(lambda t: _reduce.partials(t, ALL, BINS, RANGE),
+                     input_signature=[tf.TensorSpec([None, 3], tf.float32)])
+    for x in (np.zeros((0, 3), "float32"), np.array([[1.0, 0.0, -2.0]], "float32"),
+              np.array([[1.0, np.nan, np.inf]], "float32")):
+        parts = {k: numpy(v) for k, v in fn(tf.constant(x)).items()}
+        _check_partials(parts, x)
+        if not x.size:
+            assert parts["min"][0] == np.inf and parts["max"][0] == -np.inf
+            assert parts["mean"][0] == 0 and parts["m2"][0] == 0
 
 
 @pytest.mark.skipif(BACKEND != "torch", reason="the plain-torch fast path")

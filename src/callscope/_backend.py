@@ -8,6 +8,7 @@ backend is imported here on first use, never another.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import keras
 import numpy as np
@@ -272,10 +273,11 @@ def start_host_copy(leaves: list) -> list:
     memory) and an event to wait on. TF, and torch on the CPU, have nothing to
     start: their values are read as they are."""
     if BACKEND == "jax":
-        for leaf in leaves:
-            if getattr(leaf, "is_fully_addressable", False) and hasattr(
-                    leaf, "copy_to_host_async"):
-                leaf.copy_to_host_async()
+        if not _jax_on_host():
+            for leaf in leaves:
+                if getattr(leaf, "is_fully_addressable", False) and hasattr(
+                        leaf, "copy_to_host_async"):
+                    leaf.copy_to_host_async()
         return list(leaves)
     if BACKEND == "torch":
         import torch
@@ -293,11 +295,23 @@ def start_host_copy(leaves: list) -> list:
     return list(leaves)
 
 
+@functools.cache
+def _jax_on_host() -> bool:
+    """True where JAX's devices are the CPU: its arrays are host memory, which
+    numpy reads without a copy (`copy_to_host_async` and `device_get` would only
+    add a few microseconds per array, every step)."""
+    import jax
+
+    return all(device.platform == "cpu" for device in jax.devices())
+
+
 def to_host(handles: list) -> list:
     """The host arrays of `start_host_copy`'s handles (waits for the copies). On
     JAX, one `device_get` for all of them; arrays that span processes are left as
     they are (no process can read them whole)."""
     if BACKEND == "jax":
+        if _jax_on_host():  # the arrays are host memory: read in place, no copy
+            return [h if spans_processes(h) else np.asarray(h) for h in handles]
         import jax
 
         local = [h for h in handles if not spans_processes(h)]

@@ -72,16 +72,32 @@ def _count(mask):
 def partials(value, stats, bins=32, hist_range=None):
     """Device-side partial statistics of `value` (a tensor), each of shape [1, ...].
 
-    Non-finite elements are masked out (`ops.where`, static shapes) of every
-    partial but `nnan` and `ninf`; see the module docstring.
+    Non-finite elements are left out of every partial but `nnan` and `ninf`; see
+    the module docstring. Masking them is most of the cost on a CPU (`isfinite`,
+    `where` and comparisons are far slower there than plain sums), so a tensor
+    whose sum is finite, which means every element is (a non-finite element, or
+    an overflow, makes the sum inf or NaN), takes an unmasked branch
+    (`ops.cond`: only one branch runs) that computes the same values.
     """
     if _TORCH:
         return _torch_partials(value, stats, bins, hist_range)
-    # Statistics never need gradients: on torch this also keeps them off the tape.
+    # Statistics never need gradients.
     x = ops.reshape(ops.cast(ops.stop_gradient(value), "float32"), (-1,))
-    needed = {p for s in stats for p in _NEEDS[s]}
+    needed = tuple(sorted({p for s in stats for p in _NEEDS[s]}))
+    if x.shape[0] == 0:  # known to be empty (JAX's min and max reject it unmasked)
+        out = _masked_partials(x, needed, bins, hist_range)
+    else:
+        total = ops.sum(x)
+        out = ops.cond(ops.isfinite(total),
+                       lambda: _finite_partials(x, total, needed, bins, hist_range),
+                       lambda: _masked_partials(x, needed, bins, hist_range))
+    return {k: ops.expand_dims(v, 0) for k, v in out.items()}
+
+
+def _masked_partials(x, needed, bins, hist_range):
+    """`partials` of a flat float32 tensor with non-finite values masked out."""
     out = {}
-    if needed.intersection(_FINITE_ONLY):
+    if set(needed).intersection(_FINITE_ONLY):
         finite = ops.isfinite(x)
         xf = ops.where(finite, x, 0.0)  # finite values, 0 elsewhere
     if "n" in needed:  # _NEEDS lists n with every mean
@@ -107,13 +123,48 @@ def partials(value, stats, bins=32, hist_range=None):
     if "ninf" in needed:
         out["ninf"] = _count(ops.isinf(x))
     if "hist" in needed:
-        lo, width = _lo_width(hist_range, bins)
         # Finite values outside the range count in the edge bins, so counts sum to n.
-        index = ops.clip(ops.floor((xf - lo) / width), 0, bins - 1)
-        one_hot = ops.one_hot(ops.cast(index, "int32"), bins, dtype="float32")
         weight = ops.expand_dims(ops.cast(finite, "float32"), 1)
-        out["hist"] = ops.sum(one_hot * weight, axis=0)
-    return {k: ops.expand_dims(v, 0) for k, v in out.items()}
+        out["hist"] = ops.sum(_one_hot(xf, bins, hist_range) * weight, axis=0)
+    return out
+
+
+def _finite_partials(x, total, needed, bins, hist_range):
+    """`_masked_partials` of a tensor whose elements are all finite: the same values
+    (the masks there select everything), without the masks. A TF tensor whose
+    length is unknown when traced may be empty here: its sum is 0, and TF's min
+    and max of nothing are the identities that `_masked_partials` gives."""
+    size = ops.cast(ops.shape(x)[0], "float32")
+    out = {}
+    if "n" in needed:
+        out["n"] = size
+    if "mean" in needed or "m2" in needed:
+        mean = total / ops.maximum(size, 1.0)
+        out["mean"] = mean
+        if "m2" in needed:
+            out["m2"] = ops.sum(ops.square(x - mean))
+    if "min" in needed:
+        out["min"] = ops.min(x)
+    if "max" in needed:
+        out["max"] = ops.max(x)
+    if "absmax" in needed:
+        out["absmax"] = ops.max(ops.abs(x))
+    if "nzero" in needed:
+        # |sign(x)| is 1 for a non-zero x, 0 for zero: a count without a compare
+        # (a float sum of 0s and 1s, exact below 2**24 elements as `_count`'s cast).
+        out["nzero"] = size - ops.sum(ops.abs(ops.sign(x)))
+    for name in ("nnan", "ninf"):
+        if name in needed:
+            out[name] = ops.zeros((), "float32")
+    if "hist" in needed:
+        out["hist"] = ops.sum(_one_hot(x, bins, hist_range), axis=0)
+    return out
+
+
+def _one_hot(xf, bins, hist_range):
+    lo, width = _lo_width(hist_range, bins)
+    index = ops.clip(ops.floor((xf - lo) / width), 0, bins - 1)
+    return ops.one_hot(ops.cast(index, "int32"), bins, dtype="float32")
 
 
 # --------------------------------------------------------------------------
@@ -337,8 +388,8 @@ def _torch_partials(value, stats, bins, hist_range):
                     masked = (x.abs() if name == "absmax" else x).masked_fill(bad, fill)
                     found = masked.min() if name == "min" else masked.max()
                 names.append(name), scalars.append(found)
-        if "nzero" in needed:
-            names.append("nzero"), scalars.append((x == 0).sum(dtype=f32))
+        if "nzero" in needed:  # the finite zeros: n less xf's non-zeros
+            names.append("nzero"), scalars.append(n - _torch_nonzero(xf))
         if "nnan" in needed or "ninf" in needed:
             nnan = (x != x).sum(dtype=f32)
             for name, count in (("nnan", nnan), ("ninf", None)):
@@ -354,6 +405,14 @@ def _torch_partials(value, stats, bins, hist_range):
             index.masked_fill_(bad, bins)
             out["hist"] = torch.bincount(index, minlength=bins + 1)[None, :bins].float()
         return out
+
+
+def _torch_nonzero(x):
+    """How many elements of finite `x` are not zero, as a float32 scalar: |sign(x)|
+    summed (exact below 2**24 elements, as the other float32 counts). torch's
+    `count_nonzero` and `(x == 0).sum()` took 870 and 200 µs on a 256 x 512 CPU
+    tensor where this takes 45 µs."""
+    return x.sign().abs_().sum()
 
 
 def _torch_finite_partials(x, total, needed, bins, hist_range):
@@ -380,7 +439,7 @@ def _torch_finite_partials(x, total, needed, bins, hist_range):
             if name in needed:
                 names.append(name), scalars.append(found)
     if "nzero" in needed:
-        names.append("nzero"), scalars.append(n - torch.count_nonzero(x).float())
+        names.append("nzero"), scalars.append(n - _torch_nonzero(x))
     for name in ("nnan", "ninf"):
         if name in needed:
             names.append(name), scalars.append(x.new_zeros(()))
