@@ -172,7 +172,7 @@ def _one_hot(xf, bins, hist_range):
 # --------------------------------------------------------------------------
 PACKED = "__callscope_partials__|"  # the packed entry's name, then its layout's number
 _layouts: dict[tuple, int] = {}  # layout -> number (`pack` writes, `unpack` reads)
-_by_number: list[tuple] = []
+_by_number: list[tuple] = []  # number -> ((key, partial, shape, start, stop), ...)
 _layouts_lock = threading.Lock()
 
 
@@ -188,8 +188,8 @@ def pack(sown: dict) -> dict:
     >>> [(name.startswith(PACKED), tuple(v.shape)) for name, v in packed.items()]
     [(True, (1, 6))]
     >>> host = unpack({k: keras.ops.convert_to_numpy(v) for k, v in packed.items()})
-    >>> {k: v.tolist() for k, v in host["0|a"].items()}
-    {'n': [6.0], 'mean': [1.0], 'hist': [[0.0, 0.0, 0.0, 6.0]]}
+    >>> {k: v.tolist() for k, v in sorted(host["0|a"].items())}
+    {'hist': [[0.0, 0.0, 0.0, 6.0]], 'mean': [1.0], 'n': [6.0]}
     """
     stats = [(name, value) for name, value in sown.items() if isinstance(value, dict)]
     if not stats:
@@ -207,7 +207,9 @@ def pack(sown: dict) -> dict:
         with _layouts_lock:
             number = _layouts.get(layout)
             if number is None:
-                _by_number.append(layout)
+                ends = np.cumsum([int(np.prod(shape)) for _, _, shape in layout])
+                _by_number.append(tuple((*entry, int(end - np.prod(entry[2])), int(end))
+                                        for entry, end in zip(layout, ends)))
                 number = _layouts[layout] = len(_by_number) - 1
     if _TORCH:
         import torch
@@ -229,11 +231,9 @@ def unpack(values: Mapping, whole=np.asarray) -> dict:
             out[name] = value
             continue
         value = np.asarray(whole(value))
-        at = 0
-        for key, partial, shape in _by_number[int(name[len(PACKED):])]:
-            size = int(np.prod(shape))
-            out.setdefault(key, {})[partial] = value[:, at:at + size].reshape(-1, *shape)
-            at += size
+        for key, partial, shape, start, stop in _by_number[int(name[len(PACKED):])]:
+            (out.get(key) or out.setdefault(key, {}))[partial] = (
+                value[:, start:stop].reshape(-1, *shape) if shape else value[:, start])
     return out
 
 

@@ -303,11 +303,12 @@ class Call(Mapping):
                     value = _reduce.merge_each([value])
                 rows = self._steps.setdefault(key, {})
                 for name, part in value.items():
-                    rows.setdefault(name, HostBuffer(f"{key}/{name}")).append(part)
+                    buffer = rows.get(name) or rows.setdefault(name, HostBuffer(f"{key}/{name}"))
+                    buffer.append(part)
             else:
-                self._stats.setdefault(key, _reduce.Running()).add(value)
+                (self._stats.get(key) or self._stats.setdefault(key, _reduce.Running())).add(value)
         elif self._dir is None:
-            self._full.setdefault(key, HostBuffer(key)).append(value)
+            (self._full.get(key) or self._full.setdefault(key, HostBuffer(key))).append(value)
         else:
             self._stream(key, np.asarray(value))
 
