@@ -111,6 +111,42 @@ def test_a_buffer_grows_geometrically_and_a_read_never_copies():
     np.testing.assert_array_equal(early[::256, 0], np.arange(100))  # still valid
 
 
+@pytest.mark.parametrize("hold", ["array", "slice", "memoryview", "capture"])
+def test_a_buffer_is_reused_only_once_nothing_refers_to_it(hold):
+    """A dropped capture's host buffer serves the next capture of its size (no
+    fresh pages); one still referred to, by any view or by its capture, is never
+    written again: its values stay those of its own call."""
+    model = _model()
+    x = rng.normal(size=(4096, 8)).astype("float32")  # 1 MiB of `wide` rows
+
+    def captured(data):
+        cap = cs.capture(model, "*/wide")
+        with cap:
+            model.predict(data, batch_size=256, verbose=0)
+        return cap
+
+    first = captured(x)
+    array = first["m/wide:output"]
+    kept = {"array": array, "slice": array[10:20].T, "memoryview": memoryview(array),
+            "capture": first}[hold]
+    expected = np.array(array)
+    address = array.__array_interface__["data"][0]
+    del array, first
+    second = captured(x * 2.0)  # same size: must not take the kept buffer
+    held = kept["m/wide:output"] if hold == "capture" else np.asarray(kept)
+    np.testing.assert_array_equal(held, expected if hold != "slice" else expected[10:20].T)
+    np.testing.assert_allclose(second["m/wide:output"], _wide(model, x * 2.0), rtol=1e-5,
+                               atol=1e-5)
+    assert second["m/wide:output"].__array_interface__["data"][0] != address
+    del kept, held, second
+    pooled = {b.__array_interface__["data"][0] for b in _sinks._recycled._buffers}
+    assert address in pooled
+    third = captured(x * 3.0)  # every reference gone: a pooled buffer is reused
+    assert third["m/wide:output"].__array_interface__["data"][0] in pooled
+    np.testing.assert_allclose(third["m/wide:output"], _wide(model, x * 3.0), rtol=1e-5,
+                               atol=1e-5)
+
+
 def test_a_batch_of_another_shape_reads_as_a_clear_error():
     buffer = _sinks.HostBuffer("net/x:output")
     buffer.append(np.zeros((2, 3)))

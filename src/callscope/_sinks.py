@@ -64,6 +64,14 @@ class _Recycled:
     """
 
     SMALLEST = 2**20  # smaller arrays come from malloc's heap, already mapped
+    # What `_unused` reads for an object only a list refers to (the list's
+    # reference and getrefcount's argument: 2 on CPython 3.11), measured in the
+    # same form rather than assumed, as interpreters count differently.
+    _ALONE = (lambda items: sys.getrefcount(items[0]))([object()])
+
+    def _unused(self, i: int) -> bool:
+        # Every view of a buffer refers to it (numpy's `base`): no view, no user.
+        return sys.getrefcount(self._buffers[i]) == self._ALONE
 
     def __init__(self, keep: int):
         self._keep = keep
@@ -77,14 +85,13 @@ class _Recycled:
             return np.empty(shape, dtype)
         with self._lock:
             for i in range(len(self._buffers)):
-                # 2: the list's reference and getrefcount's argument. Every view
-                # of a buffer refers to it (numpy's `base`), so 2 means unused.
-                if self._buffers[i].nbytes == nbytes and sys.getrefcount(self._buffers[i]) == 2:
+                if self._buffers[i].nbytes == nbytes and self._unused(i):
                     return self._buffers[i].view(dtype).reshape(shape)
             raw = np.empty(nbytes, np.uint8)
             if sum(b.nbytes for b in self._buffers) + nbytes > self._keep:
                 # Make room by letting go of unused buffers of other sizes.
-                self._buffers = [b for b in self._buffers if sys.getrefcount(b) > 3]
+                self._buffers = [self._buffers[i] for i in range(len(self._buffers))
+                                 if not self._unused(i)]
             if sum(b.nbytes for b in self._buffers) + nbytes <= self._keep:
                 self._buffers.append(raw)
         return raw.view(dtype).reshape(shape)
