@@ -124,11 +124,13 @@ def test_the_weight_snapshot_is_taken_only_where_jax_purges(monkeypatch, method)
 
 @pytest.mark.skipif(BACKEND != "torch", reason="torch's own partials (eager ops)")
 @pytest.mark.parametrize("stats,finite,most", [
-    (("mean", "std", "frac_zero"), True, 12), (("mean", "std", "frac_zero"), False, 18),
-    (_reduce.STATS, True, 26), (_reduce.STATS, False, 38)])
+    (("mean", "std", "frac_zero"), True, 13), (("mean", "std", "frac_zero"), False, 20),
+    (_reduce.STATS, True, 27), (_reduce.STATS, False, 40)])
 def test_torch_statistics_run_few_ops(stats, finite, most):
     # All-finite data on the CPU takes the short path (`_torch_finite_partials`);
-    # data with NaN or inf pays the masks (and the sum that found them).
+    # data with NaN or inf pays the masks (and the sum that found them). Zeros are
+    # counted by |sign| (3 ops) rather than `count_nonzero` (1 op, but 870 µs
+    # against 45 µs on a 256 x 512 CPU tensor): fewer ops is not always faster.
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
