@@ -9,7 +9,10 @@ at most one step of a capture whatever the number of batches. They land in a
 - full tensors in `HostBuffer`s, one array per key that doubles when full, so
   adding a batch is O(1) amortised and reading is a view of the filled rows;
 - statistics partials, merged exactly as they arrive (`_reduce.Running`) in
-  predict and evaluate, or one row per step in fit;
+  predict and evaluate, or one row per step in fit: there each step's packed
+  row of every point's partials is appended whole (`StepRows`), and each partial
+  reads as columns of it (`Columns`), so a step costs one append however many
+  points and partials it holds;
 - or files, appended by the run's background `Writer` and read back memory-mapped.
 
 Several calls of one method read back as one array (`read`); calls of different
@@ -170,6 +173,104 @@ class HostBuffer:
         return view
 
 
+class Columns:
+    """One partial of one key in fit: columns of the run's packed rows (`StepRows`),
+    read as a view. It stands where a `HostBuffer` of its own would (`rows`,
+    `view`), without a copy per step.
+
+    >>> rows = HostBuffer("partials")
+    >>> rows.append(np.array([[4.0, 0.5, 1.0, 2.0]]))
+    >>> rows.append(np.array([[2.0, 0.25, 3.0, 4.0]]))
+    >>> Columns(rows, 0, 1, ()).view().tolist(), Columns(rows, 2, 4, (2,)).view().tolist()
+    ([4.0, 2.0], [[1.0, 2.0], [3.0, 4.0]])
+    """
+
+    def __init__(self, rows: HostBuffer, start: int, stop: int, shape: tuple):
+        self._rows, self._start, self._stop, self._shape = rows, start, stop, shape
+
+    @property
+    def rows(self) -> int:
+        return self._rows.rows
+
+    def view(self) -> np.ndarray:
+        packed = self._rows.view()
+        if not self._shape:
+            return packed[:, self._start]
+        return packed[:, self._start:self._stop].reshape(-1, *self._shape)
+
+    def own(self, key: str) -> HostBuffer:
+        """A `HostBuffer` of its own holding the same rows (a copy)."""
+        buffer = HostBuffer(key)
+        if self.rows:
+            buffer.append(np.array(self.view()))
+        return buffer
+
+
+class StepRows:
+    """fit's statistics of one run: every step's packed partials (`_reduce.pack`:
+    one row of every point's partials) appended whole to one `HostBuffer`, each
+    partial of each key a `Columns` view of it. Per step that is one append,
+    however many points and partials there are (it was one per partial of each
+    point).
+
+    It holds while every step has one layout and one row. Anything else (a step
+    traced with another set of points, rows per replica under `tf.distribute`,
+    several JAX processes, a key that already has rows) makes it `give_up`: each
+    key gets its own buffers back, and steps add per key as before.
+    """
+
+    def __init__(self, calls: tuple):
+        self.calls = calls
+        self.on = True
+        self._number: int | None = None  # the one layout
+        self._rows: HostBuffer | None = None
+
+    def add(self, kind: str, name: str, value: np.ndarray) -> bool:
+        """Takes one step's packed entry; False where it must be added per key."""
+        if not self.on:
+            return False
+        number = int(name[len(_reduce.PACKED):])
+        if self._number is None:
+            if not self._takes(kind, number, value):
+                self.give_up()
+                return False
+            self._begin(number)
+        if number != self._number or len(value) != 1:
+            self.give_up()
+            return False
+        self._rows.append(value)
+        return True
+
+    def _takes(self, kind: str, number: int, value) -> bool:
+        if len(value) != 1 or _backend.process_index()[1] > 1:
+            return False
+        for key, _, _, _, _ in _reduce.layout(number):
+            index, key = key.split("|", 1)
+            call = self.calls[int(index)]
+            if not (call.spec.stats and (call._per_step or kind == "train")):
+                return False
+            if key in call._steps or key in call._stats:
+                return False
+        return True
+
+    def _begin(self, number: int) -> None:
+        self._number, self._rows = number, HostBuffer("partials")
+        for key, partial, shape, start, stop in _reduce.layout(number):
+            index, key = key.split("|", 1)
+            call = self.calls[int(index)]
+            call._per_step = True
+            call._steps.setdefault(key, {})[partial] = Columns(self._rows, start, stop, shape)
+
+    def give_up(self) -> None:
+        """Every key back on buffers of its own (a copy of its rows so far)."""
+        self.on = False
+        for call in self.calls:
+            for key, rows in call._steps.items():
+                for name, buffer in rows.items():
+                    if isinstance(buffer, Columns):
+                        rows[name] = buffer.own(f"{key}/{name}")
+
+
 # --------------------------------------------------------------------------
 # One run's values on their way to the host
 # --------------------------------------------------------------------------
@@ -189,6 +290,7 @@ class Landing:
         self._lock = threading.RLock()  # a capture may be read from another thread
         self._writer: Writer | None = None
         self._failure: Exception | None = None
+        self._step_rows = StepRows(calls)
         for call in calls:
             call._landing = self
 
@@ -216,6 +318,11 @@ class Landing:
                 return
             kind, structure, handles = pending
             values = keras.tree.pack_sequence_as(structure, _backend.to_host(handles))
+            rows = self._step_rows
+            if rows.on:
+                values = {name: value for name, value in values.items()
+                          if not (name.startswith(_reduce.PACKED)
+                                  and rows.add(kind, name, value))}
             for name, value in _reduce.unpack(values, _backend.gathered).items():
                 index, key = name.split("|", 1)
                 self.calls[int(index)].add(kind, key, value)
@@ -311,7 +418,7 @@ class Call(Mapping):
                 rows = self._steps.setdefault(key, {})
                 for name, part in value.items():
                     buffer = rows.get(name) or rows.setdefault(name, HostBuffer(f"{key}/{name}"))
-                    buffer.append(part)
+                    buffer.append(part)  # never a `Columns`: `StepRows` gave those up
             else:
                 (self._stats.get(key) or self._stats.setdefault(key, _reduce.Running())).add(value)
         elif self._dir is None:
