@@ -241,9 +241,18 @@ def unpack(values: Mapping, whole=np.asarray) -> dict:
             continue
         value = np.asarray(whole(value))
         for key, partial, shape, start, stop in _by_number[int(name[len(PACKED):])]:
-            (out.get(key) or out.setdefault(key, {}))[partial] = (
-                value[:, start:stop].reshape(-1, *shape) if shape else value[:, start])
+            (out.get(key) or out.setdefault(key, {}))[partial] = columns(value, start, stop, shape)
     return out
+
+
+def columns(packed: np.ndarray, start: int, stop: int, shape: tuple) -> np.ndarray:
+    """One partial's `[R, *shape]` values: a view of packed rows' columns
+    `start:stop` (one column where `shape` is `()`).
+
+    >>> columns(np.arange(8.0).reshape(2, 4), 1, 3, (2,)).tolist()
+    [[1.0, 2.0], [5.0, 6.0]]
+    """
+    return packed[:, start:stop].reshape(-1, *shape) if shape else packed[:, start]
 
 
 def _lo_width(hist_range, bins):

@@ -193,10 +193,7 @@ class Columns:
         return self._rows.rows
 
     def view(self) -> np.ndarray:
-        packed = self._rows.view()
-        if not self._shape:
-            return packed[:, self._start]
-        return packed[:, self._start:self._stop].reshape(-1, *self._shape)
+        return _reduce.columns(self._rows.view(), self._start, self._stop, self._shape)
 
     def own(self, key: str) -> HostBuffer:
         """A `HostBuffer` of its own holding the same rows (a copy)."""
@@ -244,9 +241,7 @@ class StepRows:
     def _takes(self, kind: str, number: int, value) -> bool:
         if len(value) != 1 or _backend.process_index()[1] > 1:
             return False
-        for key, _, _, _, _ in _reduce.layout(number):
-            index, key = key.split("|", 1)
-            call = self.calls[int(index)]
+        for call, key, _ in self._columns(number):
             if not (call.spec.stats and (call._per_step or kind == "train")):
                 return False
             if key in call._steps or key in call._stats:
@@ -255,11 +250,15 @@ class StepRows:
 
     def _begin(self, number: int) -> None:
         self._number, self._rows = number, HostBuffer("partials")
-        for key, partial, shape, start, stop in _reduce.layout(number):
-            index, key = key.split("|", 1)
-            call = self.calls[int(index)]
+        for call, key, (partial, shape, start, stop) in self._columns(number):
             call._per_step = True
             call._steps.setdefault(key, {})[partial] = Columns(self._rows, start, stop, shape)
+
+    def _columns(self, number: int):
+        """`(call, key, (partial, shape, start, stop))` per column run of a layout."""
+        for name, *where in _reduce.layout(number):
+            index, key = name.split("|", 1)
+            yield self.calls[int(index)], key, where
 
     def give_up(self) -> None:
         """Every key back on buffers of its own (a copy of its rows so far)."""
