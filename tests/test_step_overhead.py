@@ -194,3 +194,30 @@ def test_points_are_named_the_same_after_the_first_step():
     assert sorted(cap) == ["m/d0:output", "m/d1:output", "m/head:output", "m:output"]
     assert all(cap[k].shape[0] == 48 for k in cap)
     assert "m/d1" in _points.tree_points(model)
+
+
+@pytest.mark.skipif(BACKEND == "torch", reason="torch's partials have no cond (eager ops)")
+def test_the_finite_checks_cond_takes_the_tensor_in_its_own_shape():
+    # Given the flattened tensor, XLA on a CPU computed a layer's output twice in a
+    # compiled step (once in its own shape for the next layer, once flat for the
+    # cond): one more pass and buffer per point, 5-10% of a train step. The masked
+    # branch flattens it itself.
+    h = np.random.default_rng(4).normal(size=(8, 16)).astype("float32")
+    stats = ("mean", "std", "frac_zero")
+    if BACKEND == "jax":
+        import jax
+
+        jaxpr = jax.make_jaxpr(lambda t: _reduce.partials(t, stats))(h)
+        conds = [e for e in jaxpr.eqns if e.primitive.name == "cond"]
+        shapes = [tuple(v.aval.shape) for e in conds for v in e.invars]
+    else:
+        import tensorflow as tf
+
+        graph = tf.function(lambda t: _reduce.partials(t, stats)).get_concrete_function(
+            tf.TensorSpec(h.shape, tf.float32)).graph
+        conds = [op for op in graph.get_operations() if op.type in ("If", "StatelessIf")]
+        shapes = [tuple(i.shape) for op in conds for i in op.inputs]
+    assert len(conds) == 1
+    assert h.shape in shapes and (h.size,) not in shapes, shapes
+    parts = _reduce.merge({k: numpy(v) for k, v in _reduce.partials(h, stats).items()})
+    np.testing.assert_allclose(_reduce.finalize(parts, "std"), h.std(dtype=np.float64), rtol=1e-5)

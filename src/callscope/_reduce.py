@@ -81,8 +81,12 @@ def partials(value, stats, bins=32, hist_range=None):
     """
     if _TORCH:
         return _torch_partials(value, stats, bins, hist_range)
-    # Statistics never need gradients.
-    x = ops.reshape(ops.cast(ops.stop_gradient(value), "float32"), (-1,))
+    value = ops.stop_gradient(value)  # statistics never need gradients
+
+    def flat():
+        return ops.reshape(ops.cast(value, "float32"), (-1,))
+
+    x = flat()
     needed = tuple(sorted({p for s in stats for p in _NEEDS[s]}))
     if x.shape[0] == 0:  # known to be empty (JAX's min and max reject it unmasked)
         out = _masked_partials(x, needed, bins, hist_range)
@@ -90,11 +94,14 @@ def partials(value, stats, bins=32, hist_range=None):
         # The unmasked partials are computed outside the `cond`, which only picks
         # them: there XLA fuses them with the ops around them, and a compiled
         # train step ran about 2% faster (`bench/capture.py`). Where the sum is
-        # not finite they are computed for nothing.
+        # not finite they are computed for nothing. The masked branch flattens
+        # the tensor itself: given the flat `x`, XLA on a CPU computed the
+        # layer's output twice, once in its own shape and once flat for the
+        # `cond` (one more pass and one more buffer per point, 5-10% of a step).
         total = ops.sum(x)
         finite = _finite_partials(x, total, needed, bins, hist_range)
         out = ops.cond(ops.isfinite(total), lambda: dict(finite),
-                       lambda: _masked_partials(x, needed, bins, hist_range))
+                       lambda: _masked_partials(flat(), needed, bins, hist_range))
     return {k: ops.expand_dims(v, 0) for k, v in out.items()}
 
 
