@@ -18,6 +18,7 @@ interleaved repeats after a warm-up):
 Usage:
     python bench/capture.py                  # jax, tensorflow, torch
     python bench/capture.py --backend jax --repeats 9
+    python bench/capture.py --backend torch --repeats 21 --only 4,7   # some rows
 """
 
 import argparse
@@ -69,7 +70,10 @@ def _ratio(ours, reference, repeats):
     return best, statistics.median(a / b for a, b in pairs), min(b for _, b in pairs)
 
 
-def run_backend(repeats):
+def run_backend(repeats, only=()):
+    def wanted(*numbers):
+        return not only or any(n in only for n in numbers)
+
     import keras
     import numpy as np
 
@@ -85,77 +89,86 @@ def run_backend(repeats):
         return model
 
     # 1. sow present, capture off, vs no sow.
-    inputs, _, outputs = _build(keras, cs, with_sow=True)
-    with_sow = compiled(cs.Model(inputs, outputs))
-    inputs, _, outputs = _build(keras, cs, with_sow=False)
-    without = compiled(keras.Model(inputs, outputs))
-    r, m, t = _ratio(lambda: with_sow.predict(x, batch_size=BATCH, verbose=0),
-                  lambda: without.predict(x, batch_size=BATCH, verbose=0), repeats)
-    rows.append(("sow, capture off vs no sow: predict", r, m, t, "target <= 1.01"))
-    r, m, t = _ratio(lambda: with_sow.fit(x, y, batch_size=BATCH, verbose=0),
-                  lambda: without.fit(x, y, batch_size=BATCH, verbose=0), repeats)
-    rows.append(("sow, capture off vs no sow: fit epoch", r, m, t, "target <= 1.01"))
+    if wanted(1):
+        inputs, _, outputs = _build(keras, cs, with_sow=True)
+        with_sow = compiled(cs.Model(inputs, outputs))
+        inputs, _, outputs = _build(keras, cs, with_sow=False)
+        without = compiled(keras.Model(inputs, outputs))
+        r, m, t = _ratio(lambda: with_sow.predict(x, batch_size=BATCH, verbose=0),
+                         lambda: without.predict(x, batch_size=BATCH, verbose=0), repeats)
+        rows.append(("sow, capture off vs no sow: predict", r, m, t, "target <= 1.01"))
+        r, m, t = _ratio(lambda: with_sow.fit(x, y, batch_size=BATCH, verbose=0),
+                         lambda: without.fit(x, y, batch_size=BATCH, verbose=0), repeats)
+        rows.append(("sow, capture off vs no sow: fit epoch", r, m, t, "target <= 1.01"))
 
     # 2-3. full capture of every block vs the functional multi-output model.
-    inputs, hidden, outputs = _build(keras, cs, with_sow=False)
-    multi = compiled(keras.Model(inputs, [outputs, *hidden]))
-    ours = compiled(cs.Model(inputs, outputs))
+    if wanted(2, 3):
+        inputs, hidden, outputs = _build(keras, cs, with_sow=False)
+        multi = compiled(keras.Model(inputs, [outputs, *hidden]))
+        ours = compiled(cs.Model(inputs, outputs))
 
-    def capture_all():
-        with cs.capture(ours, "*/block_?") as cap:
-            ours.predict(x, batch_size=BATCH, verbose=0)
-        assert sum(v.shape[0] for v in cap.values()) == BLOCKS * ROWS  # to numpy, as Keras
+        def capture_all():
+            with cs.capture(ours, "*/block_?") as cap:
+                ours.predict(x, batch_size=BATCH, verbose=0)
+            assert sum(v.shape[0] for v in cap.values()) == BLOCKS * ROWS  # to numpy, as Keras
 
-    r, m, t = _ratio(capture_all, lambda: ours.predict(x, batch_size=BATCH, verbose=0), repeats)
-    rows.append(("full capture of 8 blocks vs plain predict", r, m, t, "target <= 1.10"))
-    r, m, t = _ratio(capture_all, lambda: multi.predict(x, batch_size=BATCH, verbose=0), repeats)
-    rows.append(("capture 8 blocks vs functional multi-output", r, m, t, "target <= 1.05"))
+        r, m, t = _ratio(capture_all, lambda: ours.predict(x, batch_size=BATCH, verbose=0), repeats)
+        rows.append(("full capture of 8 blocks vs plain predict", r, m, t, "target <= 1.10"))
+        r, m, t = _ratio(capture_all, lambda: multi.predict(x, batch_size=BATCH, verbose=0),
+                         repeats)
+        rows.append(("capture 8 blocks vs functional multi-output", r, m, t, "target <= 1.05"))
 
-    def eager_loop():
-        outs = [multi(x[i:i + BATCH]) for i in range(0, ROWS, BATCH)]
-        return [keras.ops.convert_to_numpy(o[1]) for o in outs]
+        def eager_loop():
+            outs = [multi(x[i:i + BATCH]) for i in range(0, ROWS, BATCH)]
+            return [keras.ops.convert_to_numpy(o[1]) for o in outs]
 
-    r, m, t = _ratio(eager_loop, capture_all, max(3, repeats // 2))
-    rows.append(("speed-up of capture over an eager batch loop", r, m, t, "target >= 1.5"))
+        r, m, t = _ratio(eager_loop, capture_all, max(3, repeats // 2))
+        rows.append(("speed-up of capture over an eager batch loop", r, m, t, "target >= 1.5"))
 
-    # 4. statistics-only capture during fit vs plain fit.
+    # 4-7 fit the same plain model.
+    inputs, _, outputs = _build(keras, cs, with_sow=False)
     plain = compiled(cs.Model(inputs, outputs))
 
     def stats_fit():
         with cs.capture(plain, "*/block_?", reduce=("mean", "std", "frac_zero")):
             plain.fit(x, y, batch_size=BATCH, verbose=0)
 
-    r, m, t = _ratio(stats_fit, lambda: plain.fit(x, y, batch_size=BATCH, verbose=0), repeats)
-    rows.append(("stats capture of 8 blocks in fit vs plain fit", r, m, t, "target <= 1.05"))
+    # 4. statistics-only capture during fit vs plain fit.
+    if wanted(4):
+        r, m, t = _ratio(stats_fit, lambda: plain.fit(x, y, batch_size=BATCH, verbose=0), repeats)
+        rows.append(("stats capture of 8 blocks in fit vs plain fit", r, m, t, "target <= 1.05"))
 
-    # 6. gradient statistics (per-block gradient norms) during fit vs plain fit.
-    def grad_stats_fit():
-        with cs.capture(plain, "*/block_?", kinds=("output", "grad"), reduce=("rms", "absmax")):
-            plain.fit(x, y, batch_size=BATCH, verbose=0)
+    # 5. gradient statistics (per-block gradient norms) during fit vs plain fit.
+    if wanted(5):
+        def grad_stats_fit():
+            with cs.capture(plain, "*/block_?", kinds=("output", "grad"), reduce=("rms", "absmax")):
+                plain.fit(x, y, batch_size=BATCH, verbose=0)
 
-    r, m, t = _ratio(grad_stats_fit, lambda: plain.fit(x, y, batch_size=BATCH, verbose=0), repeats)
-    rows.append(("grad + output stats of 8 blocks in fit vs plain", r, m, t, "target <= 1.15"))
+        r, m, t = _ratio(grad_stats_fit, lambda: plain.fit(x, y, batch_size=BATCH, verbose=0),
+                         repeats)
+        rows.append(("grad + output stats of 8 blocks in fit vs plain", r, m, t, "target <= 1.15"))
 
     # 7. What bounds 4: the same capture with the statistics kernels replaced
     # by a constant (a diagnostic: the values are wrong). What is left is the cost
     # of carrying the partials out of the step and merging them on the host.
-    from callscope import _reduce
+    if wanted(7):
+        from callscope import _reduce
 
-    kernels = _reduce.partials
+        kernels = _reduce.partials
 
-    def constant_partials(value, stats, bins=32, hist_range=None):
-        one = keras.ops.ones((1,), "float32")
-        return {p: one for s in stats for p in _reduce._NEEDS[s]}
+        def constant_partials(value, stats, bins=32, hist_range=None):
+            one = keras.ops.ones((1,), "float32")
+            return {p: one for s in stats for p in _reduce._NEEDS[s]}
 
-    _reduce.partials = constant_partials
-    try:
-        compiled(plain)  # drops the steps traced with the real kernels
-        r, m, t = _ratio(stats_fit, lambda: plain.fit(x, y, batch_size=BATCH, verbose=0),
-                         repeats)
-        rows.append(("  4 without its statistics kernels", r, m, t, "diagnostic"))
-    finally:
-        _reduce.partials = kernels
-        compiled(plain)
+        _reduce.partials = constant_partials
+        try:
+            compiled(plain)  # drops the steps traced with the real kernels
+            r, m, t = _ratio(stats_fit, lambda: plain.fit(x, y, batch_size=BATCH, verbose=0),
+                             repeats)
+            rows.append(("  4 without its statistics kernels", r, m, t, "diagnostic"))
+        finally:
+            _reduce.partials = kernels
+            compiled(plain)
 
     print(f"\n{keras.backend.backend()} (keras {keras.__version__}, {repeats} repeats)")
     print(f"  {'':<46} {'best':>7} {'median':>7}")
@@ -202,13 +215,18 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", choices=BACKENDS)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--only", default="",
+                        help="comma-separated numbers of the figures to run (see above)")
     parser.add_argument("--rss", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rss:
         run_rss(args.rss)
         return
+    only = {int(n) for n in args.only.split(",") if n}
     if args.backend:
-        run_backend(args.repeats)
+        run_backend(args.repeats, only)
+        if only and 6 not in only:
+            return
         peaks = {}
         for scale in (1, 4):
             out = subprocess.run([sys.executable, __file__, "--rss", str(scale)],
@@ -226,7 +244,7 @@ def main():
         return
     for backend in BACKENDS:
         subprocess.run([sys.executable, __file__, "--backend", backend,
-                        "--repeats", str(args.repeats)],
+                        "--repeats", str(args.repeats), "--only", args.only],
                        env={**os.environ, "KERAS_BACKEND": backend}, check=True)
 
 

@@ -348,6 +348,24 @@ def test_the_unmasked_branch_gives_what_the_masked_one_gives(x):
         _check_partials({k: numpy(v) for k, v in fast.items()}, x)
 
 
+@pytest.mark.skipif(BACKEND != "torch", reason="the plain-torch fast path")
+@pytest.mark.parametrize("x", _finite_branch_cases(), ids=["relu", "offset", "overflow", "zeros"])
+def test_torch_unmasked_partials_match_numpy_and_the_keras_ops_path(x, monkeypatch):
+    """On the CPU, torch works M2 out as the sum of squares less `total * mean`,
+    and sums about the mean where that cancels: the offset case (mean 1e4, std 1)
+    would keep almost no correct bits in float32 otherwise."""
+    fast = _device_partials(x)
+    with np.errstate(over="ignore"):
+        finite_sum = np.isfinite(x.sum(dtype=np.float32))
+    if finite_sum:
+        _check_partials(fast, x)
+    monkeypatch.setattr(_reduce, "_TORCH", False)
+    slow = _device_partials(x)
+    assert sorted(fast) == sorted(slow)
+    for name in fast:
+        np.testing.assert_allclose(fast[name], slow[name], rtol=1e-6, err_msg=name)
+
+
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="only TF traces unknown lengths")
 def test_a_length_unknown_when_traced_may_be_empty_or_not():
     """Keras's TF steps are traced with an unknown batch size: the unmasked branch

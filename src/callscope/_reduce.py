@@ -48,6 +48,7 @@ _NEEDS = {
     "inf_count": ("ninf",),
 }
 _FINITE_ONLY = ("n", "mean", "m2", "min", "max", "absmax", "nzero", "hist")
+_SCALARS = ("n", "mean", "m2", "min", "max", "absmax", "nzero", "nnan", "ninf")
 
 
 def check_stats(reduce) -> tuple[str, ...] | None:
@@ -205,29 +206,35 @@ def pack(sown: dict) -> dict:
     stats = [(name, value) for name, value in sown.items() if isinstance(value, dict)]
     if not stats:
         return sown
+    # This runs every step on torch (eager): plain Python, and as few torch ops as
+    # can be (a reshape each costs microseconds there).
     layout, parts = [], []
     for name, value in stats:
         for partial, part in value.items():
-            shape = tuple(int(d) for d in part.shape[1:])
-            layout.append((name, partial, shape))
-            parts.append(part.reshape(-1, int(np.prod(shape))) if _TORCH else
-                         ops.reshape(part, (-1, int(np.prod(shape)))))
+            layout.append((name, partial, tuple(int(d) for d in part.shape[1:])))
+            parts.append(part)
     layout = tuple(layout)
     number = _layouts.get(layout)  # a known layout (every step after the first)
     if number is None:  # new: numbered once, under the lock
         with _layouts_lock:
             number = _layouts.get(layout)
             if number is None:
-                ends = np.cumsum([int(np.prod(shape)) for _, _, shape in layout])
-                _by_number.append(tuple((*entry, int(end - np.prod(entry[2])), int(end))
-                                        for entry, end in zip(layout, ends)))
+                entries, stop = [], 0
+                for entry in layout:
+                    start, stop = stop, stop + math.prod(entry[2])
+                    entries.append((*entry, start, stop))
+                _by_number.append(tuple(entries))
                 number = _layouts[layout] = len(_by_number) - 1
     if _TORCH:
         import torch
 
-        packed = torch.cat(parts, 1)
+        if all(p.shape[0] == 1 for p in parts):  # one row (always, eagerly): flat
+            packed = torch.cat([p if p.dim() == 1 else p.reshape(-1) for p in parts])[None]
+        else:
+            packed = torch.cat([p.reshape(p.shape[0], -1) for p in parts], 1)
     else:
-        packed = ops.concatenate([ops.cast(p, "float32") for p in parts], axis=1)
+        packed = ops.concatenate([ops.cast(ops.reshape(p, (-1, math.prod(entry[2]))), "float32")
+                                  for p, entry in zip(parts, layout)], axis=1)
     rest = {name: value for name, value in sown.items() if not isinstance(value, dict)}
     return {**rest, f"{PACKED}{number}": packed}
 
@@ -381,12 +388,12 @@ def _torch_partials(value, stats, bins, hist_range):
             x = x.float()
         size = x.numel()
         if size and x.device.type == "cpu" and not torch.compiler.is_compiling():
-            total = x.sum()
+            total = x.sum().item()
             # A finite sum means every element is finite (a non-finite one, or an
             # overflow, makes it inf or NaN). Asking costs nothing on the CPU (on a
             # GPU it would wait for the device, and under torch.compile it would
             # break the graph: the masked path runs there).
-            if math.isfinite(total.item()):
+            if math.isfinite(total):
                 return _torch_finite_partials(x, total, needed, bins, hist_range)
         names, scalars, out = [], [], {}
         bad = (x - x) != 0  # NaN - NaN and inf - inf are NaN; NaN != 0
@@ -441,35 +448,39 @@ def _torch_nonzero(x):
 
 
 def _torch_finite_partials(x, total, needed, bins, hist_range):
-    """`_torch_partials` of a flat float32 CPU tensor whose elements are all finite:
-    the same values (the masks there select everything), in fewer passes and with
-    fewer temporaries, each of which costs page faults on the CPU."""
+    """`_torch_partials` of a flat float32 CPU tensor whose elements are all finite
+    (`total` is their sum, a float): the same values, with no masks. On the CPU a
+    scalar reads back for free, so the scalar partials are worked out in Python
+    (float64) from a few sums and made into one tensor: about half the ops and
+    passes of the masked path (0.9 against 1.9 ms a step for 8 points of 256 x
+    512). M2 is the sum of squares less `total * mean`, one pass with no
+    temporary; where that would cancel more than half of the sum of squares (a
+    mean far from 0 against the spread), it loses bits, and M2 is summed about
+    the mean instead, as in `partials`."""
     import torch
 
     size = x.numel()
-    names, scalars, out = [], [], {}
-    n = x.new_tensor(float(size))
-    if "n" in needed:
-        names.append("n"), scalars.append(n)
+    host = {"n": float(size), "nnan": 0.0, "ninf": 0.0}
     if "mean" in needed or "m2" in needed:
-        mean = total / n
-        names.append("mean"), scalars.append(mean)
+        host["mean"] = mean = total / size
         if "m2" in needed:
-            centred = x - mean
-            names.append("m2"), scalars.append(torch.dot(centred, centred))
+            squares = torch.dot(x, x).item()
+            m2 = squares - total * mean
+            if not 2 * m2 >= squares:  # cancellation (or rounding below 0)
+                centred = x - mean
+                m2 = torch.dot(centred, centred).item()
+            host["m2"] = m2
     if needed.intersection(("min", "max", "absmax")):
-        low, high = torch.aminmax(x)
-        for name, found in (("min", low), ("max", high),
-                            ("absmax", torch.maximum(low.abs(), high.abs()))):
-            if name in needed:
-                names.append(name), scalars.append(found)
-    if "nzero" in needed:
-        names.append("nzero"), scalars.append(n - _torch_nonzero(x))
-    for name in ("nnan", "ninf"):
-        if name in needed:
-            names.append(name), scalars.append(x.new_zeros(()))
-    if scalars:
-        out = dict(zip(names, torch.stack(scalars).split(1)))
+        low, high = (v.item() for v in torch.aminmax(x))
+        host.update(min=low, max=high, absmax=max(-low, high))
+    if "nzero" in needed:  # |sign(x)| is 1 for a non-zero x: sign . sign counts them
+        signs = x.sign()
+        host["nzero"] = size - torch.dot(signs, signs).item()
+    names = [name for name in _SCALARS if name in needed]
+    out = {}
+    if names:  # one tensor for all of them, split into [1]-shaped views
+        scalars = torch.tensor([host[name] for name in names], dtype=torch.float32)
+        out = dict(zip(names, scalars.split(1)))
     if "hist" in needed:
         lo, width = _lo_width(hist_range, bins)
         index = ((x - lo) / width).floor_().clamp_(0, bins - 1).long()
