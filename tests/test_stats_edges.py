@@ -312,16 +312,21 @@ def test_partials_compile_with_static_shapes():
     _check_partials(parts, x)
 
 
+FINITE_CASES = ["relu", "offset", "overflow", "zeros", "squares_overflow"]
+
+
 def _finite_branch_cases():
     rng = np.random.default_rng(3)
     relu = np.maximum(rng.normal(size=(16, 4)), 0).astype("float32")  # many zeros
     offset = (1e4 + rng.normal(size=(16, 4))).astype("float32")  # mean >> std
     overflow = np.full((4, 4), 3e38, "float32")  # finite, but the sum is inf
-    return [relu, offset, overflow, np.full((3, 4), -0.0, "float32")]
+    # The sum is finite, the squares are not (|x| > 1.8e19); about the mean they are.
+    squares_overflow = (1e20 + 1e18 * rng.normal(size=(4, 4))).astype("float32")
+    return [relu, offset, overflow, np.full((3, 4), -0.0, "float32"), squares_overflow]
 
 
 @pytest.mark.skipif(BACKEND == "torch", reason="torch has its own fast path (below)")
-@pytest.mark.parametrize("x", _finite_branch_cases(), ids=["relu", "offset", "overflow", "zeros"])
+@pytest.mark.parametrize("x", _finite_branch_cases(), ids=FINITE_CASES)
 def test_the_unmasked_branch_gives_what_the_masked_one_gives(x):
     """A tensor whose sum is finite takes `_finite_partials`; its values must be
     those of the masked computation, compiled as in a step. The overflow case
@@ -349,7 +354,7 @@ def test_the_unmasked_branch_gives_what_the_masked_one_gives(x):
 
 
 @pytest.mark.skipif(BACKEND != "torch", reason="the plain-torch fast path")
-@pytest.mark.parametrize("x", _finite_branch_cases(), ids=["relu", "offset", "overflow", "zeros"])
+@pytest.mark.parametrize("x", _finite_branch_cases(), ids=FINITE_CASES)
 def test_torch_unmasked_partials_match_numpy_and_the_keras_ops_path(x, monkeypatch):
     """On the CPU, torch works M2 out as the sum of squares less `total * mean`,
     and sums about the mean where that cancels: the offset case (mean 1e4, std 1)

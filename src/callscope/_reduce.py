@@ -231,7 +231,8 @@ def pack(sown: dict) -> dict:
         if all(p.shape[0] == 1 for p in parts):  # one row (always, eagerly): flat
             packed = torch.cat([p if p.dim() == 1 else p.reshape(-1) for p in parts])[None]
         else:
-            packed = torch.cat([p.reshape(p.shape[0], -1) for p in parts], 1)
+            packed = torch.cat([p.reshape(-1, math.prod(entry[2]))
+                                for p, entry in zip(parts, layout)], 1)
     else:
         packed = ops.concatenate([ops.cast(ops.reshape(p, (-1, math.prod(entry[2]))), "float32")
                                   for p, entry in zip(parts, layout)], axis=1)
@@ -455,8 +456,9 @@ def _torch_finite_partials(x, total, needed, bins, hist_range):
     passes of the masked path (0.9 against 1.9 ms a step for 8 points of 256 x
     512). M2 is the sum of squares less `total * mean`, one pass with no
     temporary; where that would cancel more than half of the sum of squares (a
-    mean far from 0 against the spread), it loses bits, and M2 is summed about
-    the mean instead, as in `partials`."""
+    mean far from 0 against the spread), it loses bits, and where the sum of
+    squares overflows float32, it is lost: M2 is then summed about the mean
+    instead, as in `partials`."""
     import torch
 
     size = x.numel()
@@ -466,7 +468,9 @@ def _torch_finite_partials(x, total, needed, bins, hist_range):
         if "m2" in needed:
             squares = torch.dot(x, x).item()
             m2 = squares - total * mean
-            if not 2 * m2 >= squares:  # cancellation (or rounding below 0)
+            # Cancellation (or rounding below 0), or squares past float32's range
+            # (|x| > 1.8e19) where the centred values may still be within it.
+            if not (math.isfinite(squares) and 2 * m2 >= squares):
                 centred = x - mean
                 m2 = torch.dot(centred, centred).item()
             host["m2"] = m2
