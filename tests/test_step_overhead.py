@@ -130,7 +130,7 @@ def test_torch_statistics_run_few_ops(stats, finite, most):
     # All-finite data on the CPU takes the short path (`_torch_finite_partials`:
     # scalars read back and worked out in Python, one tensor made of them); data
     # with NaN or inf pays the masks (and the sum that found them). Zeros are
-    # counted by sign . sign or |sign| summed rather than `count_nonzero` (1 op,
+    # counted by sign . sign rather than `count_nonzero` (1 op,
     # but 870 µs against 45 µs on a 256 x 512 CPU tensor): fewer ops is not
     # always faster.
     import torch

@@ -441,11 +441,15 @@ def _torch_partials(value, stats, bins, hist_range):
 
 
 def _torch_nonzero(x):
-    """How many elements of finite `x` are not zero, as a float32 scalar: |sign(x)|
-    summed (exact below 2**24 elements, as the other float32 counts). torch's
-    `count_nonzero` and `(x == 0).sum()` took 870 and 200 µs on a 256 x 512 CPU
-    tensor where this takes 45 µs."""
-    return x.sign().abs_().sum()
+    """How many elements of finite `x` are not zero, as a float32 scalar: sign(x)
+    dotted with itself (1 for a non-zero x; exact below 2**24 elements, as the
+    other float32 counts). torch's `count_nonzero` and `(x == 0).sum()` took 870
+    and 200 µs on a 256 x 512 CPU tensor where |sign(x)| summed took 45 µs; this
+    is one op fewer than that."""
+    import torch
+
+    signs = x.sign()
+    return torch.dot(signs, signs)
 
 
 def _torch_finite_partials(x, total, needed, bins, hist_range):
@@ -477,9 +481,8 @@ def _torch_finite_partials(x, total, needed, bins, hist_range):
     if needed.intersection(("min", "max", "absmax")):
         low, high = (v.item() for v in torch.aminmax(x))
         host.update(min=low, max=high, absmax=max(-low, high))
-    if "nzero" in needed:  # |sign(x)| is 1 for a non-zero x: sign . sign counts them
-        signs = x.sign()
-        host["nzero"] = size - torch.dot(signs, signs).item()
+    if "nzero" in needed:
+        host["nzero"] = size - _torch_nonzero(x).item()
     names = [name for name in _SCALARS if name in needed]
     out = {}
     if names:  # one tensor for all of them, split into [1]-shaped views
