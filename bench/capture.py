@@ -26,11 +26,11 @@ Usage:
 import argparse
 import os
 import resource
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
+
+from _paired import paired, table
 
 BACKENDS = ("jax", "tensorflow", "torch")
 FEATURES, UNITS, BLOCKS, ROWS, BATCH = 256, 512, 8, 8192, 256
@@ -54,22 +54,6 @@ def _build(keras, cs, with_sow):
         hidden.append(x)
     outputs = keras.layers.Dense(10, name="head")(x)
     return inputs, hidden, outputs
-
-
-def _ratio(ours, reference, repeats):
-    ours(), reference()  # warm-up: compile both
-    pairs = []
-    for i in range(repeats):
-        order = (ours, reference) if i % 2 == 0 else (reference, ours)
-        times = {}
-        for fn in order:
-            start = time.perf_counter()
-            fn()
-            times[fn] = time.perf_counter() - start
-        pairs.append((times[ours], times[reference]))
-    # Best-of-N of each side: the least disturbed run on a shared 2-core machine.
-    best = min(a for a, _ in pairs) / min(b for _, b in pairs)
-    return best, statistics.median(a / b for a, b in pairs), min(b for _, b in pairs)
 
 
 def run_backend(repeats, only=()):
@@ -96,12 +80,12 @@ def run_backend(repeats, only=()):
         with_sow = compiled(cs.Model(inputs, outputs))
         inputs, _, outputs = _build(keras, cs, with_sow=False)
         without = compiled(keras.Model(inputs, outputs))
-        r, m, t = _ratio(lambda: with_sow.predict(x, batch_size=BATCH, verbose=0),
-                         lambda: without.predict(x, batch_size=BATCH, verbose=0), repeats)
-        rows.append(("sow, capture off vs no sow: predict", r, m, t, "target <= 1.01"))
-        r, m, t = _ratio(lambda: with_sow.fit(x, y, batch_size=BATCH, verbose=0),
-                         lambda: without.fit(x, y, batch_size=BATCH, verbose=0), repeats)
-        rows.append(("sow, capture off vs no sow: fit epoch", r, m, t, "target <= 1.01"))
+        f = paired(lambda: with_sow.predict(x, batch_size=BATCH, verbose=0),
+                   lambda: without.predict(x, batch_size=BATCH, verbose=0), repeats)
+        rows.append(("sow, capture off vs no sow: predict", f, "target <= 1.01"))
+        f = paired(lambda: with_sow.fit(x, y, batch_size=BATCH, verbose=0),
+                   lambda: without.fit(x, y, batch_size=BATCH, verbose=0), repeats)
+        rows.append(("sow, capture off vs no sow: fit epoch", f, "target <= 1.01"))
 
     # 2-3. full capture of every block vs the functional multi-output model.
     if wanted(2, 3):
@@ -114,8 +98,8 @@ def run_backend(repeats, only=()):
                 ours.predict(x, batch_size=BATCH, verbose=0)
             assert sum(v.shape[0] for v in cap.values()) == BLOCKS * ROWS  # to numpy, as Keras
 
-        r, m, t = _ratio(capture_all, lambda: ours.predict(x, batch_size=BATCH, verbose=0), repeats)
-        rows.append(("full capture of 8 blocks vs plain predict", r, m, t, "target <= 1.10"))
+        f = paired(capture_all, lambda: ours.predict(x, batch_size=BATCH, verbose=0), repeats)
+        rows.append(("full capture of 8 blocks vs plain predict", f, "target <= 1.10"))
 
         # What bounds 2 on a CPU, where the device's arrays are host memory: the
         # capture must still copy every captured row once into its host buffers
@@ -131,19 +115,19 @@ def run_backend(repeats, only=()):
             for i, batch in enumerate(batches):
                 rows_out[i * BATCH:(i + 1) * BATCH] = batch
 
-        r, m, t = _ratio(predict_then_copy, lambda: ours.predict(x, batch_size=BATCH, verbose=0),
-                         repeats)
-        rows.append(("  floor: predict, then numpy copies its bytes", r, m, t, "diagnostic"))
-        r, m, t = _ratio(capture_all, lambda: multi.predict(x, batch_size=BATCH, verbose=0),
-                         repeats)
-        rows.append(("capture 8 blocks vs functional multi-output", r, m, t, "target <= 1.05"))
+        f = paired(predict_then_copy, lambda: ours.predict(x, batch_size=BATCH, verbose=0),
+                   repeats)
+        rows.append(("  floor: predict, then numpy copies its bytes", f, "diagnostic"))
+        f = paired(capture_all, lambda: multi.predict(x, batch_size=BATCH, verbose=0),
+                   repeats)
+        rows.append(("capture 8 blocks vs functional multi-output", f, "target <= 1.05"))
 
         def eager_loop():
             outs = [multi(x[i:i + BATCH]) for i in range(0, ROWS, BATCH)]
             return [keras.ops.convert_to_numpy(o[1]) for o in outs]
 
-        r, m, t = _ratio(eager_loop, capture_all, max(3, repeats // 2))
-        rows.append(("speed-up of capture over an eager batch loop", r, m, t, "target >= 1.5"))
+        f = paired(eager_loop, capture_all, max(3, repeats // 2))
+        rows.append(("speed-up of capture over an eager batch loop", f, "target >= 1.5"))
 
     # 4-7 fit the same plain model.
     inputs, _, outputs = _build(keras, cs, with_sow=False)
@@ -155,8 +139,8 @@ def run_backend(repeats, only=()):
 
     # 4. statistics-only capture during fit vs plain fit.
     if wanted(4):
-        r, m, t = _ratio(stats_fit, lambda: plain.fit(x, y, batch_size=BATCH, verbose=0), repeats)
-        rows.append(("stats capture of 8 blocks in fit vs plain fit", r, m, t, "target <= 1.05"))
+        f = paired(stats_fit, lambda: plain.fit(x, y, batch_size=BATCH, verbose=0), repeats)
+        rows.append(("stats capture of 8 blocks in fit vs plain fit", f, "target <= 1.05"))
 
     # 5. gradient statistics (per-block gradient norms) during fit vs plain fit.
     if wanted(5):
@@ -164,9 +148,9 @@ def run_backend(repeats, only=()):
             with cs.capture(plain, "*/block_?", kinds=("output", "grad"), reduce=("rms", "absmax")):
                 plain.fit(x, y, batch_size=BATCH, verbose=0)
 
-        r, m, t = _ratio(grad_stats_fit, lambda: plain.fit(x, y, batch_size=BATCH, verbose=0),
-                         repeats)
-        rows.append(("grad + output stats of 8 blocks in fit vs plain", r, m, t, "target <= 1.15"))
+        f = paired(grad_stats_fit, lambda: plain.fit(x, y, batch_size=BATCH, verbose=0),
+                   repeats)
+        rows.append(("grad + output stats of 8 blocks in fit vs plain", f, "target <= 1.15"))
 
     # 7. What bounds 4: the same capture with the statistics kernels replaced
     # by a constant (a diagnostic: the values are wrong). What is left is the cost
@@ -183,17 +167,15 @@ def run_backend(repeats, only=()):
         _reduce.partials = constant_partials
         try:
             compiled(plain)  # drops the steps traced with the real kernels
-            r, m, t = _ratio(stats_fit, lambda: plain.fit(x, y, batch_size=BATCH, verbose=0),
-                             repeats)
-            rows.append(("  4 without its statistics kernels", r, m, t, "diagnostic"))
+            f = paired(stats_fit, lambda: plain.fit(x, y, batch_size=BATCH, verbose=0),
+                       repeats)
+            rows.append(("  4 without its statistics kernels", f, "diagnostic"))
         finally:
             _reduce.partials = kernels
             compiled(plain)
 
-    print(f"\n{keras.backend.backend()} (keras {keras.__version__}, {repeats} repeats)")
-    print(f"  {'':<46} {'best':>7} {'median':>7}")
-    for name, r, m, t, note in rows:
-        print(f"  {name:<46} {r:6.3f}x {m:6.3f}x  (reference {t * 1000:7.1f} ms)  {note}")
+    print(table(f"{keras.backend.backend()} (keras {keras.__version__}, {repeats} repeats)",
+                rows))
 
 
 def run_rss(scale):

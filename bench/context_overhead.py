@@ -11,10 +11,10 @@ Usage:
 
 import argparse
 import os
-import statistics
 import subprocess
 import sys
-import time
+
+from _paired import paired, table
 
 BACKENDS = ("jax", "tensorflow", "torch")
 
@@ -65,41 +65,25 @@ def run_backend(repeats):
     x = rng.normal(size=(4096, 256)).astype("float32")
     y = rng.normal(size=(4096, 10)).astype("float32")
 
-    def timed(fn):
-        start = time.perf_counter()
-        fn()
-        return time.perf_counter() - start
-
-    def ratio(ours, stock):
-        ours(), stock()  # warm-up: compile both
-        pairs = []
-        for i in range(repeats):
-            order = (ours, stock) if i % 2 == 0 else (stock, ours)
-            times = {f: timed(f) for f in order}
-            pairs.append((times[ours], times[stock]))
-        # Best-of-N of each side: the least disturbed run on a shared 2-core machine.
-        best = min(a for a, _ in pairs) / min(b for _, b in pairs)
-        return best, statistics.median(a / b for a, b in pairs), min(b for _, b in pairs)
-
     rows = []
     stock = make_model(keras.Model)
     ours = make_model(cs.Model)
-    r, m, t = ratio(lambda: ours.predict(x, batch_size=256, verbose=0),
-                 lambda: stock.predict(x, batch_size=256, verbose=0))
-    rows.append(("cs.Model unused vs keras.Model: predict", r, m, t, ""))
-    r, m, t = ratio(lambda: ours.fit(x, y, batch_size=256, epochs=1, verbose=0),
-                 lambda: stock.fit(x, y, batch_size=256, epochs=1, verbose=0))
-    rows.append(("cs.Model unused vs keras.Model: fit epoch", r, m, t, ""))
+    f = paired(lambda: ours.predict(x, batch_size=256, verbose=0),
+               lambda: stock.predict(x, batch_size=256, verbose=0), repeats)
+    rows.append(("cs.Model unused vs keras.Model: predict", f, ""))
+    f = paired(lambda: ours.fit(x, y, batch_size=256, epochs=1, verbose=0),
+               lambda: stock.fit(x, y, batch_size=256, epochs=1, verbose=0), repeats)
+    rows.append(("cs.Model unused vs keras.Model: fit epoch", f, ""))
 
     stock_on = make_model(keras.Model, hard_coded=True)
     ours = make_model(cs.Model)
     ours.register_context_args("debugging")
-    r, m, t = ratio(lambda: ours.predict(x, batch_size=256, verbose=0, debugging=True),
-                 lambda: stock_on.predict(x, batch_size=256, verbose=0))
-    rows.append(("predict(debugging=True) vs hard-coded", r, m, t, ""))
-    r, m, t = ratio(lambda: ours.fit(x, y, batch_size=256, epochs=1, verbose=0, debugging=True),
-                 lambda: stock_on.fit(x, y, batch_size=256, epochs=1, verbose=0))
-    rows.append(("fit(debugging=True) vs hard-coded", r, m, t, ""))
+    f = paired(lambda: ours.predict(x, batch_size=256, verbose=0, debugging=True),
+               lambda: stock_on.predict(x, batch_size=256, verbose=0), repeats)
+    rows.append(("predict(debugging=True) vs hard-coded", f, ""))
+    f = paired(lambda: ours.fit(x, y, batch_size=256, epochs=1, verbose=0, debugging=True),
+               lambda: stock_on.fit(x, y, batch_size=256, epochs=1, verbose=0), repeats)
+    rows.append(("fit(debugging=True) vs hard-coded", f, ""))
 
     # The same work on the stock side: two models, one per value, alternating (on
     # torch, which runs eagerly, `debugging=True` costs a multiply per block).
@@ -119,17 +103,15 @@ def run_backend(repeats):
 
     alternate(), plain()  # first of each value
     traces["cs"] = traces["stock"] = 0
-    r, m, t = ratio(alternate, plain)
+    f = paired(alternate, plain, repeats)
     note = f"block calls after warm-up: callscope {traces['cs']}, stock {traces['stock']}"
     if keras.backend.backend() == "torch":
         note += " (torch runs eagerly: calls, not traces)"
-    rows.append(("10 predicts alternating True/False vs stock", r, m, t,
+    rows.append(("10 predicts alternating True/False vs stock", f,
                  note + "  target <= 1.05"))
 
-    print(f"\n{keras.backend.backend()} (keras {keras.__version__}, {repeats} repeats)")
-    print(f"  {'':<46} {'best':>7} {'median':>7}")
-    for name, r, m, t, note in rows:
-        print(f"  {name:<46} {r:6.3f}x {m:6.3f}x  (stock {t * 1000:7.1f} ms)  {note}")
+    print(table(f"{keras.backend.backend()} (keras {keras.__version__}, {repeats} repeats)",
+                rows, "stock"))
 
 
 def main():
