@@ -122,6 +122,56 @@ def test_fit_capture_sees_the_training_step_values():
     assert not np.allclose(after_first, _reference(_net(), X)["net/block_0:output"][5:])
 
 
+class PositionLike(keras.layers.Layer):
+    """Returns a view of its weight, as keras_hub's PositionEmbedding does (a slice,
+    broadcast), and sows the weight itself."""
+
+    def build(self, shape):
+        self.table = self.add_weight(shape=(8, shape[-1]), initializer="ones", name="table")
+
+    def call(self, x):
+        cs.sow(self, "table", self.table)
+        n = keras.ops.shape(x)[1]
+        return x + keras.ops.broadcast_to(self.table[:n], keras.ops.shape(x))
+
+
+def _position_model(jit_compile):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((3, 2))
+    model = cs.Model(inputs, PositionLike(name="pos")(inputs), name="m")
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", jit_compile=jit_compile)
+    return model
+
+
+# (torch.compile: dynamo's own probe of a non-leaf tensor, see test_torch_compile.py)
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")
+@pytest.mark.parametrize("jit_compile", JIT + ([True] if BACKEND == "torch" else []))
+def test_fit_records_each_weight_as_its_step_used_it(jit_compile):
+    # Records are read when the step ends, after the optimizer's update; torch
+    # updates weights in place, so a view of one read then would show the next
+    # step's weight (and TF read a sown variable then).
+    x = np.random.default_rng(1).normal(size=(12, 3, 2)).astype("float32")
+    y = np.zeros_like(x)
+    twin, used = _position_model(jit_compile), []
+    for start in range(0, 12, 4):  # the reference: the weight before each step
+        used.append(numpy(twin.get_layer("pos").table))
+        twin.train_on_batch(x[start:start + 4], y[start:start + 4])
+    assert not np.allclose(used[0], used[-1])
+    model = _position_model(jit_compile)
+    with cs.capture(model, ["m/pos", "m/pos/table"]) as cap, \
+            cs.capture(model, "m/pos/table", reduce=("mean", "max")) as stats:
+        model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    np.testing.assert_allclose(cap["m/pos/table:output"].reshape(3, 8, 2), used, rtol=1e-6)
+    outputs = cap["m/pos:output"].reshape(3, 4, 3, 2)
+    for step, table in enumerate(used):
+        np.testing.assert_allclose(outputs[step], x[step * 4:step * 4 + 4] + table[:3],
+                                   rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(stats["m/pos/table:output/mean"], [t.mean() for t in used],
+                               rtol=1e-5)
+    np.testing.assert_allclose(stats["m/pos/table:output/max"], [t.max() for t in used],
+                               rtol=1e-6)
+
+
 def test_capture_off_restores_the_original_compiled_function():
     net = _net()
     net.predict(X, verbose=0)

@@ -218,17 +218,28 @@ def test_validation_inside_fit_is_a_call_of_its_own():
 def test_a_callbacks_predict_is_a_nested_call_of_its_own():
     model = _seq()
 
+    inner = []
+
     class Predicts(keras.callbacks.Callback):
         def on_epoch_end(self, epoch, logs=None):
             self.model.predict(X[:3], verbose=0)
+            # A capture opened here never saw the fit: the predicts it records are
+            # its own top-level calls, and the outer capture sees them nested.
+            with cs.capture(self.model, "s/d") as here:
+                self.model.predict(X[:3], verbose=0)
+                self.model.predict(X[3:5], verbose=0)
+            inner.append(here)
 
     with cs.capture(model, "s/d") as cap:
         model.fit(X, Y, batch_size=8, epochs=1, verbose=0, callbacks=[Predicts()])
-    assert [(c.method, c.nested) for c in cap.calls] == [("fit", False), ("predict", True)]
+    assert [(c.method, c.nested) for c in cap.calls] == [("fit", False)] + [("predict", True)] * 3
     assert set(cap) == {"s/d:output"}
     assert cap["s/d:output"].shape == (8, 2)
     np.testing.assert_allclose(cap.calls[1]["s/d:output"], _dense(model, X[:3]), rtol=1e-5,
                                atol=1e-6)
+    (here,) = inner
+    assert [(c.method, c.nested) for c in here.calls] == [("predict", False)] * 2
+    np.testing.assert_allclose(here["s/d:output"], _dense(model, X[:5]), rtol=1e-5, atol=1e-6)
 
 
 def test_calls_of_different_kinds_are_never_merged():

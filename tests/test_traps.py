@@ -70,6 +70,54 @@ def test_exception_mid_fit_leaves_weights_and_no_context_behind():
     np.testing.assert_allclose(model.predict(X, verbose=0).shape, (4, 1))
 
 
+class RaiseAtBatchEnd(keras.callbacks.Callback):
+    def __init__(self, batch):
+        super().__init__()
+        self.batch = batch
+
+    def _end(self, batch, logs=None):
+        if batch == self.batch:
+            raise RuntimeError("the callback failed")
+
+    on_train_batch_end = on_test_batch_end = on_predict_batch_end = _end
+
+
+def _two_dense():
+    keras.utils.set_random_seed(0)
+    model = cs.Sequential([keras.Input((2,)), keras.layers.Dense(3, name="hidden"),
+                           keras.layers.Dense(1, name="out")], name="m")
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    return model
+
+
+@pytest.mark.parametrize("capture", [False, True])
+@pytest.mark.parametrize("method", ["fit", "evaluate", "predict"])
+def test_a_callback_failing_after_some_steps_leaves_the_last_steps_weights(method, capture):
+    # JAX's steps donate their state: after the first, the values from before the
+    # call are gone, and only the loop's last state holds the weights.
+    x = np.random.default_rng(1).normal(size=(16, 2)).astype("float32")
+    y = x.sum(axis=1, keepdims=True)
+    model, twin = _two_dense(), _two_dense()
+    if method == "fit":  # three steps ran (batches 0-2) before the failure
+        for start in range(0, 12, 4):
+            twin.train_on_batch(x[start:start + 4], y[start:start + 4])
+    calls = {"fit": lambda cb: model.fit(x, y, batch_size=4, shuffle=False, verbose=0,
+                                         callbacks=cb),
+             "evaluate": lambda cb: model.evaluate(x, y, batch_size=4, verbose=0, callbacks=cb),
+             "predict": lambda cb: model.predict(x, batch_size=4, verbose=0, callbacks=cb)}
+    with pytest.raises(RuntimeError, match="the callback failed"):
+        if capture:
+            with cs.capture(model, "m/hidden"):
+                calls[method]([RaiseAtBatchEnd(2)])
+        else:
+            calls[method]([RaiseAtBatchEnd(2)])
+    for got, want in zip(model.weights, twin.weights):
+        np.testing.assert_allclose(numpy(got), numpy(want), rtol=1e-6, err_msg=got.path)
+    np.testing.assert_allclose(model.predict(x, verbose=0), twin.predict(x, verbose=0),
+                               rtol=1e-6)
+    model.fit(x, y, batch_size=4, verbose=0)  # and it trains on
+
+
 @keras.saving.register_keras_serializable(package="callscope_tests")
 class CustomCompile(cs.Model):
     def __init__(self, **kwargs):

@@ -149,6 +149,41 @@ def place_like(array, like):
     return jax.device_put(array, sharding) if sharding is not None else jax.numpy.asarray(array)
 
 
+def as_recorded(value, kind: str):
+    """`value` as a step's record keeps it: what it is now, not at the step's end.
+
+    Records are read when the step ends (`Collector.finalize`), after the
+    optimizer's update. So a variable sown as it is is read at once (on TF, the
+    read is ordered before the update). On torch, which updates variables in
+    place, a tensor that may share a variable's memory is copied: a view of a
+    `Parameter` (a slice, a broadcast), and, in a train step, a tensor with no
+    autograd history (a variable itself, or one detached). Activations, which
+    have a history in training and are views of no variable, are kept as they are.
+    """
+    if isinstance(value, keras.Variable):
+        value = value.value  # JAX, in a step: the step's state
+        if BACKEND == "tensorflow":  # `.value` is a tf.Variable: read it now
+            import tensorflow as tf
+
+            value = tf.identity(value)
+    if BACKEND != "torch":
+        return value
+    import torch
+
+    if not isinstance(value, torch.Tensor):
+        return value
+    if torch.compiler.is_compiling():
+        # `_base` and `grad_fn` do not trace (the step recompiles per layer), and a
+        # view of a weight leaves the compiled train step as the updated weight
+        # (checked, torch 2.13.0): copy a train step's records there (in the graph,
+        # where the copy can fuse with the op that makes the value).
+        return value.clone() if kind == "train" else value
+    base = value._base if value._base is not None else value
+    if isinstance(base, torch.nn.Parameter) or (kind == "train" and value.grad_fn is None):
+        return value.clone()
+    return value
+
+
 def trace_marker():
     """What identifies where Python runs now: a layer whose `call` starts under
     another marker than its caller's runs inside a loop body, a branch or another

@@ -37,8 +37,10 @@ class Capture(Mapping):
     reads the top-level calls, which must all be of one method (several `predict`s
     concatenate; several `fit`s give one row per step); calls of different
     methods raise an error that says how to read each. Calls nested in another
-    call of the model (`fit`'s validation, a callback's `predict`) are only in
-    `cap.calls`, with `nested=True`, and never mix into the outer call's rows.
+    call of the model that this capture records (`fit`'s validation, a callback's
+    `predict`) are only in `cap.calls`, with `nested=True`, and never mix into the
+    outer call's rows. A capture opened inside such a callback reads its calls as
+    top-level ones.
     """
 
     def __init__(self, model, spec: Spec, to: str | os.PathLike | None, log: bool = False,
@@ -52,8 +54,14 @@ class Capture(Mapping):
         self._token = None
         self._lock = threading.Lock()  # calls may start in copied contexts' threads
 
-    def _begin(self, method: str, nested: bool) -> _sinks.Call:
-        """A new call's sink (called by the model when a call starts)."""
+    def _begin(self, method: str, outer) -> _sinks.Call:
+        """A new call's sink (called by the model when a call starts). `outer` is
+        the run of the model the call is made in (`fit` for its validation), or
+        None. The call is nested for this capture only where this capture records
+        that outer run too: a capture opened inside a callback reads the calls it
+        saw as its own."""
+        mine = {id(call) for call in self.calls}  # (by identity: a Call is a Mapping)
+        nested = outer is not None and any(id(call) in mine for call in outer.calls)
         with self._lock:
             directory = (None if self._dir is None
                          else os.path.join(self._dir, f"call_{len(self.calls):03d}"))

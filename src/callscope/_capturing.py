@@ -127,8 +127,9 @@ class CaptureMixin:
         if patches:
             _record.install_wrappers(self)
             self._cs_check_loops(captures, patches)
-        nested = _scope.run_of(self) is not None
-        calls = tuple(c._begin("__call__", nested) for c in captures)
+        outer = _scope.run_of(self)
+        nested = outer is not None
+        calls = tuple(c._begin("__call__", outer) for c in captures)
         run = Run(self, "__call__", self._cs_table().default, (), calls, patches, nested,
                   host=_sinks.Landing(calls) if calls else None)
         with _scope.running(run):

@@ -233,8 +233,9 @@ class Engine(CaptureMixin):
         try:
             _scope.check_unkeyed(entry.reads, state.names)
             self._cs_install_steps()
-            nested = _scope.run_of(self) is not None
-            calls = tuple(c._begin(method, nested) for c in captures)
+            outer = _scope.run_of(self)
+            nested = outer is not None
+            calls = tuple(c._begin(method, outer) for c in captures)
             if dynamic and _JAX:
                 positions = {id(v): i for i, v in enumerate(self.non_trainable_variables)}
                 dynamic = [(positions[id(v)], a) for v, a in dynamic]
@@ -309,10 +310,12 @@ class Engine(CaptureMixin):
             try:
                 with _scope.pushed(frame), _scope.running(run):
                     return getattr(super(), method)(*args, **kwargs)
-            except BaseException:
+            except BaseException as error:
                 for gate in state.gates(method):
                     gate.close()  # a callback raised with the gate open: take it back
-                _keras_compat.restore_purged_values(self, snapshot)
+                problem = _keras_compat.restore_purged_values(self, snapshot)
+                if problem is not None:
+                    error.add_note(problem)
                 raise
             finally:
                 if not run.nested:

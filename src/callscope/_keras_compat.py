@@ -398,15 +398,48 @@ def snapshot_variable_values(model, method):
 
 def restore_purged_values(model, snapshot):
     """Puts back the value of every variable that a failed JAX call purged, and
-    drops the loop's unsynced state (`_jax_state`), so the model is usable."""
+    drops the loop's unsynced state (`_jax_state`), so the model is usable.
+
+    Each variable gets the loop's last state (`_jax_state`: the outputs of the
+    last step that ran, what `jax_state_sync` would have assigned), else the value
+    from before the call. The steps donate their state (`donate_argnums=0`,
+    backend/jax/trainer.py:277, 313, 347), so after the first step the values of
+    the snapshot are deleted, and after a step that failed, the state it was
+    given may be too: a deleted value is never put back. Returns what to add to
+    the call's error where a variable is left with neither (else None).
+    """
     if not snapshot:
-        return
-    for variable, value in snapshot:
-        deleted = getattr(value, "is_deleted", None)
-        if variable._value is None and value is not None and not (deleted and deleted()):
+        return None
+    live = lambda value: value is not None and not (  # noqa: E731
+        getattr(value, "is_deleted", None) and value.is_deleted())
+    latest = {}
+    state = model.__dict__.get("_jax_state") or {}
+    if not model.__dict__.get("_jax_state_synced", True):
+        optimizer = getattr(model, "optimizer", None)
+        for name, variables in (
+                ("trainable_variables", model.trainable_variables),
+                ("non_trainable_variables", model.non_trainable_variables),
+                ("optimizer_variables", optimizer.variables if optimizer is not None else ()),
+                ("metrics_variables", model.metrics_variables)):
+            for variable, value in zip(variables, state.get(name) or ()):
+                latest[id(variable)] = value
+    lost = []
+    for variable, before in snapshot:
+        if variable._value is not None:
+            continue
+        value = next((v for v in (latest.get(id(variable)), before) if live(v)), None)
+        if value is None:
+            lost.append(variable.path)
+        else:
             variable._value = value
     model.__dict__["_jax_state"] = None
     model.__dict__["_jax_state_synced"] = True
+    if lost:
+        return (f"callscope could not put back {len(lost)} of the model's variables "
+                "after the call failed: JAX had already given their values to a step "
+                "that did not finish. Reload the weights (e.g. `model.load_weights(...)`) "
+                f"before using the model again. Variables without a value: {lost[:5]}")
+    return None
 
 
 def eval_iterator(model):

@@ -230,9 +230,12 @@ class Collector:
         perturbation active (JAX), the returned value is `value + perturbation`, so
         the gradient with respect to the perturbation is d loss / d value.
         """
+        kept = None  # what the records keep: `value` as it is now (`as_recorded`)
         for index, named, records, grads in self._selection(point, layer, kind, sown, parent):
             if records:
-                self.records.setdefault(f"{index}|{named}|{kind}", []).append(value)
+                if kept is None:
+                    kept = _backend.as_recorded(value, self.kind)
+                self.records.setdefault(f"{index}|{named}|{kind}", []).append(kept)
             if grads:
                 sources = self.grad_sources.setdefault(f"{index}|{named}|grad", [])
                 name = f"{index}|{named}|{len(sources)}"

@@ -381,9 +381,9 @@ class Call(Mapping):
     Attributes:
         method: `"fit"`, `"evaluate"`, `"predict"`, `"train_on_batch"`,
             `"test_on_batch"`, `"predict_on_batch"` or `"__call__"`.
-        nested: True for a call made while another call of the same model was
-            running in the same thread: `fit`'s validation, or a callback's
-            `predict`.
+        nested: True for a call made while another call of the same model, one
+            this capture records too, was running in the same thread: `fit`'s
+            validation, or a callback's `predict`.
     """
 
     def __init__(self, spec: Spec, method: str, nested: bool, directory: str | None):
