@@ -131,6 +131,7 @@ class PositionLike(keras.layers.Layer):
 
     def call(self, x):
         cs.sow(self, "table", self.table)
+        cs.sow(self, "value", self.table.value)  # TF: a tf.Variable; torch: the Parameter
         n = keras.ops.shape(x)[1]
         return x + keras.ops.broadcast_to(self.table[:n], keras.ops.shape(x))
 
@@ -158,10 +159,11 @@ def test_fit_records_each_weight_as_its_step_used_it(jit_compile):
         twin.train_on_batch(x[start:start + 4], y[start:start + 4])
     assert not np.allclose(used[0], used[-1])
     model = _position_model(jit_compile)
-    with cs.capture(model, ["m/pos", "m/pos/table"]) as cap, \
+    with cs.capture(model, ["m/pos", "m/pos/table", "m/pos/value"]) as cap, \
             cs.capture(model, "m/pos/table", reduce=("mean", "max")) as stats:
         model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
     np.testing.assert_allclose(cap["m/pos/table:output"].reshape(3, 8, 2), used, rtol=1e-6)
+    np.testing.assert_allclose(cap["m/pos/value:output"].reshape(3, 8, 2), used, rtol=1e-6)
     outputs = cap["m/pos:output"].reshape(3, 4, 3, 2)
     for step, table in enumerate(used):
         np.testing.assert_allclose(outputs[step], x[step * 4:step * 4 + 4] + table[:3],

@@ -118,6 +118,22 @@ def test_a_callback_failing_after_some_steps_leaves_the_last_steps_weights(metho
     model.fit(x, y, batch_size=4, verbose=0)  # and it trains on
 
 
+def test_a_call_failing_in_its_first_trace_keeps_weights_set_since_the_last_call():
+    # `train_on_batch` leaves its loop state behind (synced, never cleared); a
+    # predict that fails before its first step must not put that old state back.
+    model = _two_dense()
+    x = np.ones((4, 2), "float32")
+    model.train_on_batch(x, x[:, :1])
+    sevens = [np.full(w.shape, 7.0, "float32") for w in model.get_weights()]
+    model.set_weights(sevens)
+    with pytest.raises(ValueError):
+        model.predict(np.ones((4, 5), "float32"), verbose=0)  # the wrong width
+    for got, want in zip(model.get_weights(), sevens):
+        np.testing.assert_array_equal(got, want)
+    np.testing.assert_allclose(model.predict(x, verbose=0), np.full((4, 1), 3 * (2 * 7 + 7) * 7 + 7.0),
+                               rtol=1e-6)
+
+
 @keras.saving.register_keras_serializable(package="callscope_tests")
 class CustomCompile(cs.Model):
     def __init__(self, **kwargs):

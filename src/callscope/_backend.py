@@ -162,10 +162,10 @@ def as_recorded(value, kind: str):
     """
     if isinstance(value, keras.Variable):
         value = value.value  # JAX, in a step: the step's state
-        if BACKEND == "tensorflow":  # `.value` is a tf.Variable: read it now
-            import tensorflow as tf
+    if BACKEND == "tensorflow":  # a keras Variable's `.value` is a tf.Variable
+        import tensorflow as tf
 
-            value = tf.identity(value)
+        return tf.identity(value) if isinstance(value, tf.Variable) else value
     if BACKEND != "torch":
         return value
     import torch

@@ -60,8 +60,11 @@ class Capture(Mapping):
         None. The call is nested for this capture only where this capture records
         that outer run too: a capture opened inside a callback reads the calls it
         saw as its own."""
-        mine = {id(call) for call in self.calls}  # (by identity: a Call is a Mapping)
-        nested = outer is not None and any(id(call) in mine for call in outer.calls)
+        nested = False
+        if outer is not None:
+            with self._lock:
+                mine = {id(call) for call in self.calls}  # (by identity: a Call is a Mapping)
+            nested = any(id(call) in mine for call in outer.calls)
         with self._lock:
             directory = (None if self._dir is None
                          else os.path.join(self._dir, f"call_{len(self.calls):03d}"))

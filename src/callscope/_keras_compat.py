@@ -384,7 +384,9 @@ def snapshot_variable_values(model, method):
     model with no weights. The `*_on_batch` methods never purge
     (`purge_model_variables=False`, backend/jax/trainer.py:784, 832, 863), and
     other backends never do: there it is `()`, with no O(#variables) walk per
-    call. Checked against 3.15.1.
+    call. It also holds the loop state (`_jax_state`) left by an earlier call
+    (the `*_on_batch` methods sync it but never clear it): stale, never put back.
+    Checked against 3.15.1.
     """
     if keras.backend.backend() != "jax" or method not in _PURGING:
         return ()
@@ -393,28 +395,30 @@ def snapshot_variable_values(model, method):
     if optimizer is not None:
         variables += list(optimizer.variables)
     variables += list(getattr(model, "metrics_variables", ()))
-    return tuple((v, v._value) for v in variables)
+    return tuple((v, v._value) for v in variables), model.__dict__.get("_jax_state")
 
 
 def restore_purged_values(model, snapshot):
     """Puts back the value of every variable that a failed JAX call purged, and
     drops the loop's unsynced state (`_jax_state`), so the model is usable.
 
-    Each variable gets the loop's last state (`_jax_state`: the outputs of the
-    last step that ran, what `jax_state_sync` would have assigned), else the value
-    from before the call. The steps donate their state (`donate_argnums=0`,
-    backend/jax/trainer.py:277, 313, 347), so after the first step the values of
-    the snapshot are deleted, and after a step that failed, the state it was
-    given may be too: a deleted value is never put back. Returns what to add to
-    the call's error where a variable is left with neither (else None).
+    Each variable gets the loop's last state (`_jax_state`, set by this call: the
+    outputs of the last step that ran, what `jax_state_sync` would have assigned),
+    else the value from before the call. The steps donate their state
+    (`donate_argnums=0`, backend/jax/trainer.py:277, 313, 347), so after the first
+    step the values from before the call are deleted, and after a step that
+    failed, the state it was given may be too: a deleted value is never put back,
+    nor one of another shape. Returns what to add to the call's error where a
+    variable is left with neither (else None).
     """
     if not snapshot:
         return None
+    before, stale = snapshot
     live = lambda value: value is not None and not (  # noqa: E731
         getattr(value, "is_deleted", None) and value.is_deleted())
     latest = {}
-    state = model.__dict__.get("_jax_state") or {}
-    if not model.__dict__.get("_jax_state_synced", True):
+    state = model.__dict__.get("_jax_state")
+    if state and state is not stale and not model.__dict__.get("_jax_state_synced", True):
         optimizer = getattr(model, "optimizer", None)
         for name, variables in (
                 ("trainable_variables", model.trainable_variables),
@@ -424,10 +428,11 @@ def restore_purged_values(model, snapshot):
             for variable, value in zip(variables, state.get(name) or ()):
                 latest[id(variable)] = value
     lost = []
-    for variable, before in snapshot:
-        if variable._value is not None:
+    for variable, old in before:
+        if live(variable._value):  # (a sync at the loop's end may assign deleted arrays)
             continue
-        value = next((v for v in (latest.get(id(variable)), before) if live(v)), None)
+        value = next((v for v in (latest.get(id(variable)), old)
+                      if live(v) and tuple(v.shape) == tuple(variable.shape)), None)
         if value is None:
             lost.append(variable.path)
         else:
