@@ -130,7 +130,8 @@ def test_a_call_failing_in_its_first_trace_keeps_weights_set_since_the_last_call
         model.predict(np.ones((4, 5), "float32"), verbose=0)  # the wrong width
     for got, want in zip(model.get_weights(), sevens):
         np.testing.assert_array_equal(got, want)
-    np.testing.assert_allclose(model.predict(x, verbose=0), np.full((4, 1), 3 * (2 * 7 + 7) * 7 + 7.0),
+    hidden = 2 * 7.0 + 7.0  # each of 3 units: two inputs of 1 times 7, plus 7
+    np.testing.assert_allclose(model.predict(x, verbose=0), np.full((4, 1), 3 * hidden * 7 + 7),
                                rtol=1e-6)
 
 
