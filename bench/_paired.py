@@ -50,7 +50,7 @@ def median_interval(ratios, confidence=0.95) -> tuple:
 def verdict(interval: tuple, note: str) -> str:
     """`holds`, `misses` or `undecided` for a note with "target <= 1.10" (or >=) in
     it; '' where it has none."""
-    found = re.search(r"target (<=|>=) ([0-9.]+)", note)
+    found = re.search(r"target (<=|>=) ([0-9]+(?:\.[0-9]+)?)", note)
     if found is None:
         return ""
     bound = float(found[2])

@@ -48,6 +48,7 @@ def test_the_verdict_reads_targets_in_both_directions():
     assert paired.verdict((1.6, 1.9, 0.96), "calls: 0  target >= 1.5") == "holds"
     assert paired.verdict((1.2, 1.4, 0.96), "target >= 1.5") == "misses"
     assert paired.verdict((1.2, 1.4, 0.96), "diagnostic") == ""
+    assert paired.verdict((1.02, 1.08, 0.96), "target <= 1.10.") == "holds"
 
 
 def test_a_table_says_when_there_are_too_few_repeats_to_judge():
