@@ -63,9 +63,9 @@ def verdict(interval: tuple, note: str) -> str:
     return "undecided"
 
 
-def paired(ours, reference, repeats: int) -> Figure:
-    """Times `ours` and `reference` `repeats` times each, alternating which goes
-    first, after one warm-up call of each (compiles both)."""
+def timed_pairs(ours, reference, repeats: int) -> list:
+    """`(ours seconds, reference seconds)` for `repeats` runs of each, alternating
+    which goes first, after one warm-up call of each (compiles both)."""
     ours(), reference()
     pairs = []
     for i in range(repeats):
@@ -76,6 +76,12 @@ def paired(ours, reference, repeats: int) -> Figure:
             fn()
             times[fn] = time.perf_counter() - start
         pairs.append((times[ours], times[reference]))
+    return pairs
+
+
+def paired(ours, reference, repeats: int) -> Figure:
+    """The `Figure` of `timed_pairs`."""
+    pairs = timed_pairs(ours, reference, repeats)
     ratios = [a / b for a, b in pairs]
     best = min(a for a, _ in pairs) / min(b for _, b in pairs)
     return Figure(best, statistics.median(ratios), median_interval(ratios),

@@ -27,6 +27,7 @@ import time
 
 import keras
 import numpy as np
+from _paired import timed_pairs
 
 import callscope as cs
 
@@ -130,16 +131,7 @@ def streaming(repeats):
     def plain():
         model.predict(x, batch_size=BATCH, verbose=0)
 
-    captured(), plain()  # compile both
-    pairs = []
-    for i in range(repeats):
-        order = (captured, plain) if i % 2 == 0 else (plain, captured)
-        times = {}
-        for fn in order:
-            start = time.perf_counter()
-            fn()
-            times[fn] = time.perf_counter() - start
-        pairs.append((times[captured], times[plain]))
+    pairs = timed_pairs(captured, plain, repeats)
     shutil.rmtree(root, ignore_errors=True)
     return pairs
 
