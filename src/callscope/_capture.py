@@ -60,12 +60,9 @@ class Capture(Mapping):
         None. The call is nested for this capture only where this capture records
         that outer run too: a capture opened inside a callback reads the calls it
         saw as its own."""
-        nested = False
-        if outer is not None:
-            with self._lock:
-                mine = {id(call) for call in self.calls}  # (by identity: a Call is a Mapping)
-            nested = any(id(call) in mine for call in outer.calls)
         with self._lock:
+            nested = outer is not None and any(  # by identity: a Call is a Mapping
+                any(call is mine for mine in self.calls) for call in outer.calls)
             directory = (None if self._dir is None
                          else os.path.join(self._dir, f"call_{len(self.calls):03d}"))
             call = _sinks.Call(self.spec, method, nested, directory)
