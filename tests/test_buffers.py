@@ -247,6 +247,59 @@ def test_a_writer_error_surfaces_in_the_caller_and_the_index_says_what_is_on_dis
         np.testing.assert_allclose(loaded[key], reference[:rows[key]], rtol=1e-5, atol=1e-5)
 
 
+def test_a_failed_capture_stops_its_own_loop_and_no_other(tmp_path):
+    # A sink's failure stops the failing call at its next step. Keras's `stop_*`
+    # flags belong to the model, so they would stop another thread's call too,
+    # silently short; and the failing fit keeps the weights of its last step.
+    model, batch = _model(), 4
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    x = rng.normal(size=(64 * batch, 8)).astype("float32")
+    y = rng.normal(size=(64 * batch, 1)).astype("float32")
+    many = rng.normal(size=(4000, 8)).astype("float32")
+    reference = model.predict(many, verbose=0)
+    twin = keras.Sequential([keras.Input((8,)), keras.layers.Dense(WIDE), keras.layers.Dense(1)])
+    twin.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    twin.set_weights(model.get_weights())
+    path = [twin.get_weights()]
+    for i in range(0, len(x), batch):  # the weights after each step of the fit below
+        twin.train_on_batch(x[i:i + batch], y[i:i + batch])
+        path.append(twin.get_weights())
+
+    def failing(method, **kwargs):
+        target, steps = tmp_path / method, []
+        counter = keras.callbacks.LambdaCallback(
+            on_train_batch_end=lambda b, logs: steps.append(b),
+            on_predict_batch_end=lambda b, logs: steps.append(b))
+        with pytest.raises(_writer.WriteError, match="could not write its files"):
+            with cs.capture(model, "*/wide", to=target):
+                os.makedirs(target / "call_000")
+                (target / "call_000" / "0000.bin").write_bytes(b"not ours")  # refused
+                started.wait(10)
+                getattr(model, method)(x, batch_size=batch, verbose=0, callbacks=[counter],
+                                       **kwargs)
+        return steps
+
+    started, results = threading.Event(), {}
+
+    def other():
+        started.set()
+        results["other"] = model.predict(many, batch_size=2, verbose=0)
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    steps = failing("predict")
+    thread.join(120)
+    assert len(steps) < 64  # stopped early, at a step after the failure
+    np.testing.assert_allclose(results["other"], reference, rtol=1e-5, atol=1e-6)  # 4000 rows
+
+    started.set()
+    steps = failing("fit", y=y, shuffle=False)
+    assert 0 < len(steps) < 64
+    for ours, theirs in zip(model.get_weights(), path[len(steps)]):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
+    model.fit(x, y, batch_size=batch, verbose=0)  # the model trains on
+
+
 class _Stalled:
     """A file whose writes wait for `go`, then fail with `error` (if given)."""
 

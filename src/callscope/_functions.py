@@ -125,6 +125,8 @@ class RunFunction:
     def __call__(self, *args, **kwargs):
         model, function = self.model, self.__wrapped__
         run = _scope.run_of(model)
+        if run is not None:
+            run.check()
         if run is not None and run.ranges and any(s.ranges.pending(self.kind)
                                                   for s in run.ranges):
             # Histogram ranges come from the batch this first step sees, fixed

@@ -31,10 +31,6 @@ from callscope import _inputs, _keras_compat
 
 
 
-# What stops each kind of Keras loop after its current step (public attributes).
-_STOP = {"train": "stop_training", "test": "stop_evaluating", "predict": "stop_predicting"}
-
-
 @dataclass(frozen=True, eq=False)
 class Run:
     """One call of a model (see the module docstring). Immutable but for its sinks."""
@@ -70,10 +66,21 @@ class Run:
         return values
 
     def sink(self, kind: str, sown) -> None:
-        """A step's captured values (`"index|key"` names) to the calls' sinks. If a
-        sink failed, Keras's loop stops at its next step, and `end` raises."""
-        if self.host is not None and not self.host.put(kind, sown) and kind in _STOP:
-            setattr(self.model, _STOP[kind], True)
+        """A step's captured values (`"index|key"` names) to the calls' sinks. A
+        failure there is raised when the next step starts (`check`), else by `end`."""
+        if self.host is not None:
+            self.host.put(kind, sown)
+
+    def check(self) -> None:
+        """Raises what failed in a sink, before a step: the loop stops there.
+
+        Not Keras's `stop_*` flags: they belong to the model, so another thread's
+        loop on it would stop too. And not at the failing step's end: on JAX, the
+        state that step returned would be lost (its input was donated), where
+        before the next step it is the loop's `_jax_state`, which the failed call
+        puts back (`_keras_compat.restore_purged_values`)."""
+        if self.host is not None:
+            self.host.check()
 
     def end(self, error: BaseException | None = None) -> None:
         """The run ended (or raised `error`): the last values land, files close."""

@@ -279,8 +279,8 @@ class Landing:
 
     `put` never raises: it runs inside Keras's loop, where an exception would lose
     the JAX loop's state (its weights are donated to each step). A failure (the
-    writer's, or a streamed key that changed shape) stops the sinks, `put`
-    returns False so that the run can stop its loop, and `end` raises it.
+    writer's, or a streamed key that changed shape) stops the sinks; `check`
+    raises it before the next step, and `end` if there is none.
     """
 
     def __init__(self, calls: tuple):
@@ -293,10 +293,10 @@ class Landing:
         for call in calls:
             call._landing = self
 
-    def put(self, kind: str, sown: Mapping) -> bool:
+    def put(self, kind: str, sown: Mapping) -> None:
         values = {name: value for name, value in sown.items() if "|" in name}
         if self._failure is not None or not values:
-            return self._failure is None
+            return
         with self._lock:
             try:
                 self.land()  # the previous step's values: their copy had a step's time
@@ -306,8 +306,10 @@ class Landing:
                     self.land()
             except Exception as failure:
                 self._failure, self._pending = failure, None
-                return False
-        return True
+
+    def check(self) -> None:
+        if self._failure is not None:
+            raise self._failure
 
     def land(self) -> None:
         """The pending step's values into the calls' buffers (waits for them)."""
@@ -361,7 +363,8 @@ class Landing:
             return
         if error is None:
             raise problems[0]
-        error.add_note(f"callscope could not finish the capture: {problems[0]}")
+        if problems[0] is not error:  # else `check` raised it
+            error.add_note(f"callscope could not finish the capture: {problems[0]}")
 
     def _release(self) -> None:
         for call in self.calls:
