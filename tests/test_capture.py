@@ -326,6 +326,40 @@ def test_streaming_to_disk_reads_back_memory_mapped(tmp_path, jit_compile):
             pass
 
 
+def test_two_open_captures_never_stream_into_one_directory(tmp_path):
+    # Each would name its first call `call_000`, and one run's writer appends to
+    # a file it has open: the two keys' batches would interleave in one file.
+    net = _net()
+    target = tmp_path / "caps"
+    with cs.capture(net, "net/block_0", to=target) as first:
+        for to, overwrite in ((target, False), (target, True), (target / "inner", False),
+                              (os.path.join(tmp_path, "x", "..", "caps"), False)):
+            with pytest.raises(ValueError, match="directory of another open cs.capture") as e:
+                with cs.capture(net, "net/block_1", to=to, overwrite=overwrite):
+                    pass
+            assert str(e.value).endswith(f"Received: to={str(to)!r}")
+        with pytest.raises(ValueError, match="inside, or holds,"):
+            with cs.capture(net, "net/block_1", to=tmp_path):
+                pass
+        with cs.capture(net, "net/block_1", to=tmp_path / "other") as second:
+            net.predict(X, batch_size=3, verbose=0)
+    reference = _reference(net, X)
+    for cap, key in ((first, "net/block_0:output"), (second, "net/block_1:output")):
+        assert list(cap) == [key]
+        np.testing.assert_allclose(cap[key], reference[key], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(cs.load_capture(target)["net/block_0:output"],
+                               reference["net/block_0:output"], rtol=1e-5, atol=1e-6)
+    with cs.capture(net, "net/block_1", to=target, overwrite=True) as again:  # closed: free
+        net.predict(X, batch_size=3, verbose=0)
+    np.testing.assert_allclose(again["net/block_1:output"], reference["net/block_1:output"],
+                               rtol=1e-5, atol=1e-6)
+    with pytest.raises(FileExistsError):  # a refused scope gives its directory back
+        with cs.capture(net, to=target):
+            pass
+    with cs.capture(net, "net/block_0", to=target, overwrite=True):
+        pass
+
+
 def test_steps_per_execution_predict_works_and_fit_says_why_not():
     if BACKEND == "torch":
         pytest.skip("Keras's torch backend only supports steps_per_execution=1")

@@ -24,6 +24,38 @@ import numpy as np
 from callscope import _backend, _reduce, _scope, _sinks
 from callscope._points import KINDS, Ranges, Spec, normalize_select
 
+class _Claimed:
+    """The directories of this process's open streaming captures. Two captures
+    writing one directory (or one inside the other) would mix their files: each
+    names its first call `call_000`, and one run's writer appends to a file it
+    already has open. So a second one is refused while the first is open."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._paths: set[str] = set()
+
+    def claim(self, directory: str) -> str:
+        path = os.path.realpath(directory)
+        with self._lock:
+            taken = next((p for p in self._paths if p == path or path.startswith(p + os.sep)
+                          or p.startswith(path + os.sep)), None)
+            if taken is not None:
+                raise ValueError(
+                    f"`{directory}` is {'the' if taken == path else 'inside, or holds, the'} "
+                    f"directory of another open cs.capture (`{taken}`): two captures "
+                    "writing there would mix their files. Give each open capture a "
+                    f"directory of its own. Received: to={directory!r}")
+            self._paths.add(path)
+        return path
+
+    def release(self, path: str) -> None:
+        with self._lock:
+            self._paths.discard(path)
+
+
+_claimed = _Claimed()
+
+
 # --------------------------------------------------------------------------
 # The public scope and mapping
 # --------------------------------------------------------------------------
@@ -52,6 +84,7 @@ class Capture(Mapping):
         self.calls: list[_sinks.Call] = []
         self._dir = os.fspath(to) if to is not None else None
         self._token = None
+        self._claim: str | None = None  # the directory, claimed while the scope is open
         self._lock = threading.Lock()  # calls may start in copied contexts' threads
 
     def _begin(self, method: str, outer) -> _sinks.Call:
@@ -112,29 +145,41 @@ class Capture(Mapping):
         if self._token is not None:
             raise RuntimeError("A `cs.capture` scope can be entered once. Open a new one.")
         if self._dir is not None:
-            # Several JAX processes share one directory: each looks before any
-            # writes (the barrier), and only the first deletes.
-            first = _backend.process_index()[0] == 0
-            # Only the first process looks at the directory's contents with
-            # overwrite=True (another's look could race its delete).
-            os.makedirs(self._dir, exist_ok=True)
-            if self._overwrite and first and os.listdir(self._dir):
-                shutil.rmtree(self._dir)
-                os.makedirs(self._dir, exist_ok=True)
-            if not self._overwrite and os.listdir(self._dir):
-                raise FileExistsError(
-                    f"`{self._dir}` already holds a capture or other files: cs.capture(to=...) "
-                    "never writes into a directory that holds files. Choose a new or empty "
-                    "directory, or pass overwrite=True to delete what it holds first. "
-                    f"Received: to={self._dir!r}"
-                )
-            _backend.barrier(f"callscope-capture-open:{self._dir}")
+            self._claim = _claimed.claim(self._dir)
+            try:
+                self._open_directory()
+            except BaseException:
+                _claimed.release(self._claim)
+                raise
         self._token = _scope.enter_capture(self)
         return self
 
+    def _open_directory(self) -> None:
+        # Several JAX processes share one directory: each looks before any
+        # writes (the barrier), and only the first deletes.
+        first = _backend.process_index()[0] == 0
+        # Only the first process looks at the directory's contents with
+        # overwrite=True (another's look could race its delete).
+        os.makedirs(self._dir, exist_ok=True)
+        if self._overwrite and first and os.listdir(self._dir):
+            shutil.rmtree(self._dir)
+            os.makedirs(self._dir, exist_ok=True)
+        if not self._overwrite and os.listdir(self._dir):
+            raise FileExistsError(
+                f"`{self._dir}` already holds a capture or other files: cs.capture(to=...) "
+                "never writes into a directory that holds files. Choose a new or empty "
+                "directory, or pass overwrite=True to delete what it holds first. "
+                f"Received: to={self._dir!r}"
+            )
+        _backend.barrier(f"callscope-capture-open:{self._dir}")
+
     def __exit__(self, exc_type, exc, tb) -> None:
         _scope.exit_capture(self._token)
-        self._write_index(complete=exc_type is None)
+        try:
+            self._write_index(complete=exc_type is None)
+        finally:
+            if self._claim is not None:
+                _claimed.release(self._claim)
         if exc_type is None and self.calls and not any(len(c) for c in self.calls):
             raise ValueError(self._nothing_matched())
 
