@@ -65,3 +65,42 @@ def test_registration_errors():
         cs.enable(keras.layers.Dense(1))
     with pytest.raises(TypeError, match="decorates a Keras Layer"):
         cs.context_args("x")(object)
+
+
+class _Sows(keras.layers.Layer):
+    def __init__(self, make, **kwargs):
+        super().__init__(**kwargs)
+        self.make = make
+
+    def call(self, x):
+        cs.sow(self, "v", self.make(x))
+        return x
+
+
+@pytest.mark.parametrize("kind", ["tuple", "dict", "str"])
+@pytest.mark.parametrize("reduce", [None, "mean"])
+def test_sowing_anything_but_one_tensor_is_a_type_error(kind, reduce):
+    # It gave backend-dependent AttributeErrors, or one statistic over a tuple's
+    # tensors stacked together.
+    make = {"tuple": lambda x: (x, 2 * x), "dict": lambda x: {"a": x},
+            "str": lambda x: "hi"}[kind]
+    model = cs.Sequential([keras.Input((2,)), _Sows(make, name="s")], name="m")
+    for call in (lambda: model.predict(X, verbose=0), lambda: model(X)):
+        with pytest.raises(TypeError) as info:
+            with cs.capture(model, reduce=reduce):
+                call()
+        message = str(info.value)
+        assert f"cs.sow records one tensor, and `m/s/v` was given a {kind}" in message
+        assert f"Received: value={kind}" in message
+        assert ("under a name of its own" in message) == (kind != "str")
+    np.testing.assert_allclose(model.predict(X, verbose=0), X)  # off: passed through
+
+
+@pytest.mark.parametrize("value", [3.0, 7, np.arange(3.0)])
+def test_a_sown_number_or_numpy_array_is_recorded_as_a_tensor(value):
+    model = cs.Sequential([keras.Input((2,)), _Sows(lambda x: value, name="s")], name="m")
+    with cs.capture(model) as cap, cs.capture(model, reduce="mean") as stats:
+        model.predict(np.ones((6, 2), "float32"), batch_size=2, verbose=0)  # 3 steps
+    expected = np.concatenate([np.reshape(value, (-1,))] * 3)
+    np.testing.assert_allclose(cap["m/s/v:output"], expected)
+    assert stats["m/s/v:output/mean"] == pytest.approx(np.mean(value))

@@ -359,6 +359,37 @@ def test_capture_and_patch_inside_a_users_compiled_function_raise():
     np.testing.assert_allclose(numpy(compiled(x)), _dense(model, X), rtol=1e-5, atol=1e-6)
 
 
+def test_a_direct_stateless_call_is_a_run_with_the_weights_it_was_given():
+    # Keras's `stateless_call` never calls `__call__`: it was silently not
+    # captured or patched.
+    model = _seq()
+    w, b = (numpy(v) for v in model.get_layer("d").weights)
+    given = [keras.ops.convert_to_tensor(2.0 * w), keras.ops.convert_to_tensor(b - 1.0)]
+    x = keras.ops.convert_to_tensor(X)
+    reference = X @ (2.0 * w) + (b - 1.0)
+    with cs.capture(model, "s/d", kinds=("input", "output")) as cap, \
+            cs.capture(model, "s/d", reduce=("mean", "hist")) as stats:
+        out, _ = model.stateless_call(given, [], x)
+    np.testing.assert_allclose(numpy(out), reference, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(cap["s/d:output"], reference, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(cap["s/d:input"], X)
+    assert stats["s/d:output/mean"] == pytest.approx(reference.mean(), rel=1e-5)
+    edges = stats.hist_edges("s/d:output/hist")  # its range is the given weights' output
+    np.testing.assert_allclose(edges[[0, -1]], [reference.min(), reference.max()], rtol=1e-5)
+    assert stats["s/d:output/hist"].sum() == reference.size
+    with cs.patch(model, {"s/d": lambda h: h * 0.0 + 3.0}):
+        out, _ = model.stateless_call(given, [], x)
+    np.testing.assert_allclose(numpy(out), 3.0)
+    np.testing.assert_allclose(numpy(model.stateless_call(given, [], x)[0]), reference,
+                               rtol=1e-5, atol=1e-6)  # the patch is gone
+    np.testing.assert_allclose(model.get_layer("d").weights[0], w)  # and the weights kept
+    compiled = _user_compiled(lambda t: model.stateless_call(given, [], t)[0])
+    with cs.capture(model, "s/d"):
+        with pytest.raises(Exception, match="cs.capture cannot record or intervene inside"):
+            compiled(x)
+    np.testing.assert_allclose(numpy(compiled(x)), reference, rtol=1e-5, atol=1e-6)
+
+
 def test_a_scope_value_read_inside_a_users_compiled_function_raises():
     inner = _inner()
     compiled = _user_compiled(lambda x: inner(x))

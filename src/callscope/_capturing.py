@@ -117,13 +117,15 @@ class CaptureMixin:
             loss, aux = call(*args, **kwargs)
         return loss, aux, sown.values
 
-    def _cs_call_capturing(self, captures, patches, args, kwargs):
-        """A direct, eager `model(x)` inside a capture or patch scope: one run."""
+    def _cs_call_capturing(self, captures, patches, args, kwargs, invoke=None, state=None):
+        """A direct, eager `model(x)` inside a capture or patch scope: one run.
+        `invoke` makes the call another way (`stateless_call`, with the weights
+        `state`: its trainable and non-trainable values)."""
         if captures:
             _steps.check_capture_supported(self, "__call__", tuple(c.spec for c in captures))
         first = args[0] if args else kwargs.get("inputs")
         specs = self._cs_prepare_capture(captures, first) if captures else ()
-        self._cs_find_ranges(specs, "call", (first,))
+        self._cs_find_ranges(specs, "call", (first,), state)
         if patches:
             _record.install_wrappers(self)
             self._cs_check_loops(captures, patches)
@@ -135,7 +137,7 @@ class CaptureMixin:
         with _scope.running(run):
             with _record.collecting_for(specs) as collector, \
                     _record.patching(patches) as active:
-                outputs = self(*args, **kwargs)
+                outputs = invoke() if invoke is not None else self(*args, **kwargs)
                 sown = collector.finalize()
             self._cs_note_points(collector, active, _scope.Later(hits := set()))
         self._cs_check_reached(run, hits)

@@ -273,13 +273,24 @@ def entered_call_context(model, values):
         model._maybe_reset_call_context()
 
 
-@functools.cache
-def stateless_call_propagates():
+# The probe's answer, found once. Not `functools.cache`: torch.compile warns on
+# a call of a cached function (a user's compiled `stateless_call`), and reads a
+# module's list plainly.
+_propagates: list[bool] = []
+
+
+def stateless_call_propagates() -> bool:
     """Probe: does `stateless_call` pass a context argument to nested layers?
 
     False on keras 3.15.1 (the polyfill above is then used), True on keras main
     after #23364.
     """
+    if not _propagates:
+        _propagates.append(_probe_stateless_call())
+    return _propagates[0]
+
+
+def _probe_stateless_call() -> bool:
     seen = []
 
     class Probe(keras.layers.Layer):

@@ -165,14 +165,8 @@ class ContextMixin(Engine, _keras_compat.LossHook, *_JAX_HOOKS):
         inside_step = (_record.active_collector() is not None
                        or _record.active_patches() is not None)
         if not symbolic and not inside_step:
-            captures, patches = self._cs_scopes()
-            if (captures or patches) and not (tracing and _scope.run_inside(self)):
-                # (A trace inside a run of this model, or of a model that holds
-                # it, such as Keras's symbolic build, is not a call of its own.)
-                if tracing:
-                    raise RuntimeError(_OUTSIDE_COMPILE.format(
-                        what="cs.capture" if captures else "cs.patch",
-                        model=type(self).__name__))
+            captures, patches = self._cs_call_scopes(tracing)
+            if captures or patches:
                 return self._cs_call_capturing(captures, patches, args, kwargs)
         gate = state.gate if not symbolic and not tracing else None
         token = gate.enter() if gate is not None else None
@@ -190,10 +184,34 @@ class ContextMixin(Engine, _keras_compat.LossHook, *_JAX_HOOKS):
             if gate is not None:
                 gate.exit(token)
 
+    def _cs_call_scopes(self, tracing: bool) -> tuple[tuple, tuple]:
+        """The captures and patches that a direct call (not a step's) runs under."""
+        captures, patches = self._cs_scopes()
+        if not (captures or patches) or (tracing and _scope.run_inside(self)):
+            # (A trace inside a run of this model, or of a model that holds it,
+            # such as Keras's symbolic build, is not a call of its own.)
+            return (), ()
+        if tracing:
+            raise RuntimeError(_OUTSIDE_COMPILE.format(
+                what="cs.capture" if captures else "cs.patch", model=type(self).__name__))
+        return captures, patches
+
     def stateless_call(
         self, trainable_variables, non_trainable_variables, *args, return_losses=False, **kwargs
     ):
         state = self._cs
+        if _record.active_collector() is None and _record.active_patches() is None:
+            # A direct stateless call under a capture or patch scope is a run of its
+            # own, as `model(x)` is (Keras's `stateless_call` never calls `__call__`).
+            leaves = keras.tree.flatten(args)
+            captures, patches = self._cs_call_scopes(_backend.is_tracing(leaves))
+            if captures or patches:
+                return self._cs_call_capturing(
+                    captures, patches, args, kwargs, state=(trainable_variables,
+                                                            non_trainable_variables),
+                    invoke=lambda: self.stateless_call(
+                        trainable_variables, non_trainable_variables, *args,
+                        return_losses=return_losses, **kwargs))
         propagates = _keras_compat.stateless_call_propagates()
         if not state.names and propagates:
             return super().stateless_call(

@@ -482,6 +482,7 @@ def sow(layer: keras.layers.Layer, name: str, value: Any) -> Any:
     if collector is None or isinstance(value, keras.KerasTensor):
         return value
     point = collector.sown_point(layer, name)
+    value = _one_tensor(point, value)
     patches = active_patches()
     depth = len(collector.stack)
     if collector.in_loop(_backend.trace_marker()):
@@ -493,6 +494,21 @@ def sow(layer: keras.layers.Layer, name: str, value: Any) -> Any:
     value = collector.record(point, layer, "output", value, sown=True)
     collector.tree.append((depth, point, layer, value, True))
     return value
+
+
+def _one_tensor(point: str, value: Any) -> Any:
+    """A sown value is one tensor (a number or numpy array becomes one): its rows
+    are what a capture stacks, and its elements what a statistic reduces."""
+    if isinstance(value, keras.Variable) or ops.is_tensor(value):
+        return value
+    if isinstance(value, (bool, int, float, np.ndarray, np.generic)):
+        return ops.convert_to_tensor(value)
+    several = isinstance(value, (tuple, list, dict))
+    raise TypeError(
+        f"cs.sow records one tensor, and `{point}` was given a {type(value).__name__}"
+        + (": sow each of its tensors under a name of its own, e.g. "
+           "`cs.sow(self, 'h_0', h[0])`" if several else "")
+        + f". Received: value={type(value).__name__}")
 
 
 # --------------------------------------------------------------------------
