@@ -1,6 +1,9 @@
-"""The `callscope` command, run for real in a subprocess on this backend."""
+"""The `callscope` command, run for real in a subprocess on this backend (what
+one bad input gives runs its `main` in this process: `run_here`)."""
 
+import contextlib
 import csv
+import io
 import json
 import os
 import re
@@ -28,6 +31,21 @@ def _env(extra=None):
 def run(*args, cwd=None, env=None):
     return subprocess.run([str(SCRIPT), *map(str, args)], capture_output=True, text=True,
                           env=_env(env), cwd=cwd, timeout=600)
+
+
+def run_here(*args):
+    """The command's `main` in this process (the same code as the script, without
+    a new interpreter importing every backend, ~4 s a run): for what one input
+    gives, where `run` covers the script itself."""
+    from callscope import cli
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = cli.main([str(a) for a in args])
+        except SystemExit as exit_:  # argparse's usage errors
+            code = exit_.code
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
 # TensorFlow's C++ runtime logs to stderr when it is imported, which `import callscope`
@@ -101,16 +119,16 @@ def _one_line_error(proc, code, *needles):
 
 def test_inspect_input_errors_are_one_line_with_exit_1(saved, tmp_path):
     _, path, x = saved
-    _one_line_error(run("inspect", tmp_path / "nope.keras", "--data", tmp_path / "x.npy"), 1,
-                    "no such model file", "nope.keras")
+    _one_line_error(run_here("inspect", tmp_path / "nope.keras", "--data",
+                             tmp_path / "x.npy"), 1, "no such model file", "nope.keras")
     junk = tmp_path / "junk.keras"
     junk.write_text("not a model")
-    _one_line_error(run("inspect", junk, "--data", tmp_path / "x.npy"), 1,
+    _one_line_error(run_here("inspect", junk, "--data", tmp_path / "x.npy"), 1,
                     "junk.keras", "not a loadable Keras model")
     np.save(tmp_path / "wide.npy", np.ones((3, 5), "float32"))
-    _one_line_error(run("inspect", path, "--data", tmp_path / "wide.npy"), 1,
+    _one_line_error(run_here("inspect", path, "--data", tmp_path / "wide.npy"), 1,
                     "(5,)", "(4,)", "wide.npy")
-    _one_line_error(run("inspect", path, "--data", tmp_path / "missing.npy"), 1,
+    _one_line_error(run_here("inspect", path, "--data", tmp_path / "missing.npy"), 1,
                     "no such data file")
 
 
@@ -139,17 +157,18 @@ def _usage_error(proc, *needles):
 def test_usage_errors_are_one_line_with_exit_2(saved, tmp_path):
     _, path, _ = saved
     data = tmp_path / "x.npy"
+    # The script itself, twice (each run imports every backend); the rest in-process.
     _usage_error(usage("inspect", path, "--data", data, "--reduce", "median"), "--reduce",
                  "'median'")
-    line = _usage_error(usage("frobnicate"), "(see callscope --help)")
+    line = _usage_error(run_here("frobnicate"), "(see callscope --help)")
     assert line.startswith("callscope: error: argument command: invalid choice: 'frobnicate'")
-    assert _usage_error(usage("inspect", path)) == (
+    assert _usage_error(run_here("inspect", path)) == (
         "callscope: error: the following arguments are required: --data "
         "(see callscope inspect --help)")
-    _usage_error(usage("inspect", path, "--data", data, "--batch-size", "many"), "--batch-size",
-                 "expected a positive integer, got 'many'")
-    _usage_error(usage("inspect", path, "--data", data, "--kinds", "grad"), "--kinds")
-    _usage_error(usage(), "required: command")
+    _usage_error(run_here("inspect", path, "--data", data, "--batch-size", "many"),
+                 "--batch-size", "expected a positive integer, got 'many'")
+    _usage_error(run_here("inspect", path, "--data", data, "--kinds", "grad"), "--kinds")
+    _usage_error(run_here(), "required: command")
     helped = usage("inspect", "--help")
     assert helped.returncode == 0 and helped.stdout.startswith("usage: callscope inspect")
     assert "--data" in helped.stdout
@@ -238,23 +257,23 @@ def test_inspect_data_errors_name_the_inputs(two_inputs, tmp_path):
     _, path, arrays, _ = two_inputs
     wrong = tmp_path / "wrong.npz"
     np.savez(wrong, a=arrays["left"], b=arrays["right"])
-    _one_line_error(run("inspect", path, "--data", wrong), 1)
-    assert run("inspect", path, "--data", wrong).stderr.strip().splitlines()[-1] == (
+    _one_line_error(run_here("inspect", path, "--data", wrong), 1)
+    assert run_here("inspect", path, "--data", wrong).stderr.strip().splitlines()[-1] == (
         f"callscope: error: {wrong} holds arrays ['a', 'b'], but the model takes inputs "
         "['left', 'right']: save one array per input, named after it "
         "(np.savez(path, left=..., right=...))")
     one = tmp_path / "one.npy"
     np.save(one, arrays["left"])
-    _one_line_error(run("inspect", path, "--data", one), 1,
+    _one_line_error(run_here("inspect", path, "--data", one), 1,
                     f"{one} holds one array, but the model takes inputs ['left', 'right']")
     short = tmp_path / "short.npz"
     np.savez(short, left=arrays["left"], right=arrays["right"][:7])
-    _one_line_error(run("inspect", path, "--data", short), 1,
+    _one_line_error(run_here("inspect", path, "--data", short), 1,
                     f"the arrays in {short} have different numbers of rows (left has 40, "
                     "right has 7); every input needs one row per example")
     wide = tmp_path / "wide.npz"
     np.savez(wide, left=arrays["left"], right=np.ones((40, 5), "float32"))
-    _one_line_error(run("inspect", path, "--data", wide), 1,
+    _one_line_error(run_here("inspect", path, "--data", wide), 1,
                     f"array 'right' in {wide} has examples of shape (5,), but the model's "
                     "input 'right' takes (2,) (shape of the whole array: (40, 5)); reshape "
                     "it to (N, 2)")
@@ -263,15 +282,16 @@ def test_inspect_data_errors_name_the_inputs(two_inputs, tmp_path):
 def test_inspect_one_input_from_npz(saved, tmp_path):
     _, path, x = saved
     name = keras.saving.load_model(path).inputs[0].name  # the file's name for the input
-    expected = json.loads(run("inspect", path, "--data", tmp_path / "x.npy", "--json").stdout)
+    expected = json.loads(run_here("inspect", path, "--data", tmp_path / "x.npy",
+                                   "--json").stdout)
     for arrays in ({name: x, "labels": np.zeros(40)}, {"x": x, "labels": np.zeros(40)},
                    {"anything": x}):
         np.savez(tmp_path / "one.npz", **arrays)
-        proc = run("inspect", path, "--data", tmp_path / "one.npz", "--json")
+        proc = run_here("inspect", path, "--data", tmp_path / "one.npz", "--json")
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert json.loads(proc.stdout) == pytest.approx(expected)
     np.savez(tmp_path / "two.npz", a=x, b=x)
-    _one_line_error(run("inspect", path, "--data", tmp_path / "two.npz"), 1,
+    _one_line_error(run_here("inspect", path, "--data", tmp_path / "two.npz"), 1,
                     f"{tmp_path / 'two.npz'} holds arrays ['a', 'b'], but none is named x or "
                     f"{name}")
 
