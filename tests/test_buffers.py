@@ -8,6 +8,7 @@ against a stock Keras model.
 
 import os
 import threading
+import time
 
 import keras
 import numpy as np
@@ -252,33 +253,46 @@ def test_a_writer_error_surfaces_in_the_caller_and_the_index_says_what_is_on_dis
 def test_a_failed_capture_stops_its_own_loop_and_no_other(tmp_path):
     # A sink's failure stops the failing call at its next step. Keras's `stop_*`
     # flags belong to the model, so they would stop another thread's call too,
-    # silently short; and the failing fit keeps the weights of its last step.
+    # silently short; and the failing fit keeps the weights of its last step, also
+    # where that next step is a new epoch's, after validation (on JAX its state
+    # then holds the only copy of the weights).
     model, batch = _model(), 4
     model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
     x = rng.normal(size=(64 * batch, 8)).astype("float32")
     y = rng.normal(size=(64 * batch, 1)).astype("float32")
     many = rng.normal(size=(4000, 8)).astype("float32")
     reference = model.predict(many, verbose=0)
-    twin = keras.Sequential([keras.Input((8,)), keras.layers.Dense(WIDE), keras.layers.Dense(1)])
-    twin.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
-    twin.set_weights(model.get_weights())
-    path = [twin.get_weights()]
-    for i in range(0, len(x), batch):  # the weights after each step of the fit below
-        twin.train_on_batch(x[i:i + batch], y[i:i + batch])
-        path.append(twin.get_weights())
+    start = model.get_weights()
 
-    def failing(method, **kwargs):
-        target, steps = tmp_path / method, []
-        counter = keras.callbacks.LambdaCallback(
-            on_train_batch_end=lambda b, logs: steps.append(b),
-            on_predict_batch_end=lambda b, logs: steps.append(b))
-        with pytest.raises(_writer.WriteError, match="could not write its files"):
+    def twin_path(rows, epochs):
+        """The weights after each step of a fit of the first `rows` rows."""
+        twin = keras.Sequential([keras.Input((8,)), keras.layers.Dense(WIDE),
+                                 keras.layers.Dense(1)])
+        twin.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+        twin.set_weights(start)
+        path = [twin.get_weights()]
+        for i in [i for _ in range(epochs) for i in range(0, rows, batch)]:
+            twin.train_on_batch(x[i:i + batch], y[i:i + batch])
+            path.append(twin.get_weights())
+        return path
+
+    def failing(name, method, rows=64 * batch, pause=0.0, **kwargs):
+        target, steps = tmp_path / name, []
+
+        def done(b, logs):
+            steps.append(b)
+            time.sleep(pause)  # time for the writer to fail within the epoch
+
+        counter = keras.callbacks.LambdaCallback(on_train_batch_end=done,
+                                                 on_predict_batch_end=done)
+        with pytest.raises(_writer.WriteError, match="could not write its files") as raised:
             with cs.capture(model, "*/wide", to=target):
                 os.makedirs(target / "call_000")
                 (target / "call_000" / "0000.bin").write_bytes(b"not ours")  # refused
                 started.wait(10)
-                getattr(model, method)(x, batch_size=batch, verbose=0, callbacks=[counter],
-                                       **kwargs)
+                getattr(model, method)(x[:rows], batch_size=batch, verbose=0,
+                                       callbacks=[counter], **kwargs)
+        assert not getattr(raised.value, "__notes__", None)  # the weights were put back
         return steps
 
     started, results = threading.Event(), {}
@@ -289,17 +303,24 @@ def test_a_failed_capture_stops_its_own_loop_and_no_other(tmp_path):
 
     thread = threading.Thread(target=other)
     thread.start()
-    steps = failing("predict")
+    steps = failing("predict", "predict")
     thread.join(120)
     assert len(steps) < 64  # stopped early, at a step after the failure
     np.testing.assert_allclose(results["other"], reference, rtol=1e-5, atol=1e-6)  # 4000 rows
 
     started.set()
-    steps = failing("fit", y=y, shuffle=False)
-    assert 0 < len(steps) < 64
-    for ours, theirs in zip(model.get_weights(), path[len(steps)]):
-        np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
-    model.fit(x, y, batch_size=batch, verbose=0)  # the model trains on
+    for name, rows, epochs, pause, extra in (
+            ("fit", len(x), 1, 0.0, {}),
+            ("fit_validated", 3 * batch, 6, 0.1, {"validation_data": (x[:8], y[:8])})):
+        model.set_weights(start)
+        steps = failing(name, "fit", rows, pause, y=y[:rows], epochs=epochs, shuffle=False,
+                        **extra)
+        path = twin_path(rows, epochs)
+        assert 0 < len(steps) < len(path) - 1
+        for ours, theirs in zip(model.get_weights(), path[len(steps)]):
+            np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
+        model.predict(x, verbose=0)  # the model runs on
+    model.fit(x, y, batch_size=batch, verbose=0)
 
 
 class _Stalled:

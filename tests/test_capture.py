@@ -326,7 +326,7 @@ def test_streaming_to_disk_reads_back_memory_mapped(tmp_path, jit_compile):
             pass
 
 
-def test_two_open_captures_never_stream_into_one_directory(tmp_path):
+def test_two_open_captures_never_stream_into_one_directory(tmp_path, monkeypatch):
     # Each would name its first call `call_000`, and one run's writer appends to
     # a file it has open: the two keys' batches would interleave in one file.
     net = _net()
@@ -351,6 +351,20 @@ def test_two_open_captures_never_stream_into_one_directory(tmp_path):
                                reference["net/block_0:output"], rtol=1e-5, atol=1e-6)
     with cs.capture(net, "net/block_1", to=target, overwrite=True) as again:  # closed: free
         net.predict(X, batch_size=3, verbose=0)
+    # A relative directory is where it was when the scope opened, whatever the
+    # working directory later: another `os.chdir`'ed capture of "out" is another one.
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    with cs.capture(net, "net/block_0", to="out") as first:
+        monkeypatch.chdir(tmp_path / "b")
+        with cs.capture(net, "net/block_1", to="out") as second:
+            net.predict(X, batch_size=3, verbose=0)
+    for where, cap, key in (("a", first, "net/block_0:output"),
+                            ("b", second, "net/block_1:output")):
+        np.testing.assert_allclose(cap[key], reference[key], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(cs.load_capture(tmp_path / where / "out")[key],
+                                   reference[key], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(again["net/block_1:output"], reference["net/block_1:output"],
                                rtol=1e-5, atol=1e-6)
     with pytest.raises(FileExistsError):  # a refused scope gives its directory back

@@ -94,6 +94,13 @@ def test_sowing_anything_but_one_tensor_is_a_type_error(kind, reduce):
         assert f"Received: value={kind}" in message
         assert ("under a name of its own" in message) == (kind != "str")
     np.testing.assert_allclose(model.predict(X, verbose=0), X)  # off: passed through
+    # Not recorded nor patched, it is passed through too; discovery lists it.
+    dense = cs.Sequential([keras.Input((2,)), keras.layers.Dense(2, name="d"),
+                           _Sows(make, name="s")], name="m")
+    with cs.capture(dense, "m/d", reduce=reduce) as cap, cs.patch(dense, {"m/d": lambda h: h}):
+        dense.predict(X, verbose=0)
+    assert list(cap) == ["m/d:output" if reduce is None else "m/d:output/mean"]
+    assert "m/s/v" in cs.points(dense, X)
 
 
 @pytest.mark.parametrize("value", [3.0, 7, np.arange(3.0)])

@@ -146,6 +146,8 @@ class Capture(Mapping):
             raise RuntimeError("A `cs.capture` scope can be entered once. Open a new one.")
         if self._dir is not None:
             self._claim = _claimed.claim(self._dir)
+            # Absolute from here: a later `os.chdir` must not move the files.
+            self._dir = os.path.abspath(self._dir)
             try:
                 self._open_directory()
             except BaseException:
@@ -174,8 +176,8 @@ class Capture(Mapping):
         _backend.barrier(f"callscope-capture-open:{self._dir}")
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        _scope.exit_capture(self._token)
         try:
+            _scope.exit_capture(self._token)
             self._write_index(complete=exc_type is None)
         finally:
             if self._claim is not None:

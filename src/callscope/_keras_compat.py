@@ -409,6 +409,25 @@ def snapshot_variable_values(model, method):
     return tuple((v, v._value) for v in variables), model.__dict__.get("_jax_state")
 
 
+# The layout of a JAX step's state, by kind of step, and the `_jax_state` keys
+# Keras gives its parts (3.15.1: backend/jax/trainer.py:462-477, 618-632, 724-733).
+_STATE_PARTS = {
+    "train": ("trainable_variables", "non_trainable_variables", "optimizer_variables",
+              "metrics_variables"),
+    "test": ("trainable_variables", "non_trainable_variables", "metrics_variables"),
+    "predict": ("trainable_variables", "non_trainable_variables"),
+}
+
+
+def keep_loop_state(model, kind: str, state) -> None:
+    """Makes `state`, the state a JAX step of `kind` was about to be given, the
+    loop's last state, for `restore_purged_values`: a call that stops before a
+    step holds its weights there alone (Keras purged the variables, and a nested
+    call, such as fit's validation, may have cleared `_jax_state`)."""
+    model.__dict__["_jax_state"] = dict(zip(_STATE_PARTS[kind], state))
+    model.__dict__["_jax_state_synced"] = False
+
+
 def restore_purged_values(model, snapshot):
     """Puts back the value of every variable that a failed JAX call purged, and
     drops the loop's unsynced state (`_jax_state`), so the model is usable.

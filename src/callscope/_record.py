@@ -159,6 +159,7 @@ class Collector:
         self.loss = None  # set by the loss hook, for TensorFlow's outer tape
         self.grad_hooks = None  # torch: gradients taken by the step's own backward()
         self.manual = False  # cs.intermediate_grads takes the gradients itself
+        self.discovery = False  # cs.points / cs.summary: any value is listed as it is
         self.rows = None  # the root call's batch size (patches that take the batch)
         self.inputs = None  # _inputs.Reader in a compiled step: ranges found are inputs
         # Makes a gradient source differentiable (TF: tape.watch; torch: a leaf
@@ -245,6 +246,10 @@ class Collector:
                     value = self.on_grad_source(value)
                 sources.append(value)
         return value
+
+    def selects(self, point: str, layer, kind: str, sown: bool) -> bool:
+        """Whether a spec records `point` (or takes it as a gradient source)."""
+        return bool(self._selection(point, layer, kind, sown, None))
 
     def _selection(self, full: str, layer, kind: str, sown: bool, parent) -> tuple:
         """((spec index, point as it names it, records it, grad source), ...) of the
@@ -482,13 +487,16 @@ def sow(layer: keras.layers.Layer, name: str, value: Any) -> Any:
     if collector is None or isinstance(value, keras.KerasTensor):
         return value
     point = collector.sown_point(layer, name)
-    value = _one_tensor(point, value)
     patches = active_patches()
     depth = len(collector.stack)
     if collector.in_loop(_backend.trace_marker()):
         collector.check_loop_point(point, patches)
         collector.tree.append((depth, point, layer, LOOP, True))
         return value
+    if not collector.discovery and (
+            collector.selects(point, layer, "output", sown=True)
+            or patches is not None and patches.find(point, collector) is not None):
+        value = _one_tensor(point, value)  # (what is not recorded nor patched may be any)
     if patches is not None:
         value = patches.apply(point, value)
     value = collector.record(point, layer, "output", value, sown=True)

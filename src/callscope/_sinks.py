@@ -307,6 +307,10 @@ class Landing:
             except Exception as failure:
                 self._failure, self._pending = failure, None
 
+    @property
+    def failed(self) -> bool:
+        return self._failure is not None
+
     def check(self) -> None:
         if self._failure is not None:
             raise self._failure

@@ -23,6 +23,7 @@ def _run(model, x):
             model(x, training=False)
     _record.install_wrappers(model)
     with _record.collecting_for((_EVERYTHING,)) as collector:
+        collector.discovery = True
         model(x, training=False)
     return collector.tree
 
