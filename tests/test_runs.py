@@ -390,6 +390,36 @@ def test_a_direct_stateless_call_is_a_run_with_the_weights_it_was_given():
     np.testing.assert_allclose(numpy(compiled(x)), reference, rtol=1e-5, atol=1e-6)
 
 
+class _Scaled(cs.Model):
+    def __init__(self):
+        super().__init__(name="scaled")
+        self.d = keras.layers.Dense(2, name="d")
+
+    def call(self, x, scale=1.0, training=False):
+        h = cs.sow(self, "h", self.d(x) * scale)
+        return keras.layers.Dropout(0.5, seed=1)(h, training=training) if training else h
+
+
+def test_a_direct_calls_histogram_range_comes_from_the_call_with_its_arguments():
+    # The range was found from `model(x)` without the call's other arguments:
+    # values past it piled into the end bins.
+    keras.utils.set_random_seed(0)
+    model = _Scaled()
+    model(X)
+    weights = [v.value for v in model.trainable_variables]
+    for call in (lambda: model(X, scale=5.0),
+                 lambda: model(X, scale=5.0, training=True),
+                 lambda: model.stateless_call(weights, [], X, scale=5.0)[0]):
+        with cs.capture(model, "scaled/h", reduce=("hist", "min", "max"), bins=4) as cap:
+            call()
+        lo, hi = float(cap["scaled/h:output/min"]), float(cap["scaled/h:output/max"])
+        np.testing.assert_allclose(cap.hist_edges("scaled/h:output/hist"),
+                                   np.linspace(lo, hi, 5), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose([lo, hi], [5.0 * _dense(model, X).min(),
+                                              5.0 * _dense(model, X).max()], rtol=1e-5)
+        assert cap["scaled/h:output/hist"].sum() == 2 * len(X)
+
+
 def test_a_scope_value_read_inside_a_users_compiled_function_raises():
     inner = _inner()
     compiled = _user_compiled(lambda x: inner(x))

@@ -38,22 +38,26 @@ class CaptureMixin:
         self._cs_check_loops(captures, ())
         return tuple(c.spec for c in captures)
 
-    def _cs_find_ranges(self, specs, call_kind: str, data, state=None) -> None:
+    def _cs_find_ranges(self, specs, call_kind: str, data, state=None, call=None) -> None:
         """Fixes each spec's histogram ranges for `call_kind` from one batch, the
         one the first step is about to see: an eager, stateless pass in that
         step's mode (training for `train`), with gradients where they are
         captured. `state` is the JAX step's state (Keras holds the weights
-        there while its loop runs); elsewhere the variables hold them."""
+        there while its loop runs); elsewhere the variables hold them. `call`
+        makes a direct call (`model(x, ...)`) again, with all its arguments."""
         specs = [s for s in specs if s.finds_ranges() and s.ranges.pending(call_kind)]
         if not specs:
             return
-        x, y, sample_weight = _keras_compat.whole_batch(self, data)
+        x, y, sample_weight = _keras_compat.whole_batch(self, data) if call is None else (
+            None, None, None)
         training = call_kind == "train"
         probe = tuple(dataclasses.replace(s, stats=("min", "max"), hist_range=(("*", 0.0, 1.0),),
                                           ranges=None) for s in specs)
         grads = any("grad" in s.kinds for s in specs) and y is not None
 
         def forward():
+            if call is not None:
+                return call()
             y_pred = self(x, training=training)
             if not grads:
                 return None
@@ -125,7 +129,8 @@ class CaptureMixin:
             _steps.check_capture_supported(self, "__call__", tuple(c.spec for c in captures))
         first = args[0] if args else kwargs.get("inputs")
         specs = self._cs_prepare_capture(captures, first) if captures else ()
-        self._cs_find_ranges(specs, "call", (first,), state)
+        invoke = invoke if invoke is not None else lambda: self(*args, **kwargs)
+        self._cs_find_ranges(specs, "call", (first,), state, call=invoke)
         if patches:
             _record.install_wrappers(self)
             self._cs_check_loops(captures, patches)
@@ -137,7 +142,7 @@ class CaptureMixin:
         with _scope.running(run):
             with _record.collecting_for(specs) as collector, \
                     _record.patching(patches) as active:
-                outputs = invoke() if invoke is not None else self(*args, **kwargs)
+                outputs = invoke()
                 sown = collector.finalize()
             self._cs_note_points(collector, active, _scope.Later(hits := set()))
         self._cs_check_reached(run, hits)
