@@ -77,13 +77,13 @@ class _Sows(keras.layers.Layer):
         return x
 
 
-@pytest.mark.parametrize("kind", ["tuple", "dict", "str"])
+@pytest.mark.parametrize("kind", ["tuple", "dict", "str", "ndarray"])
 @pytest.mark.parametrize("reduce", [None, "mean"])
 def test_sowing_anything_but_one_tensor_is_a_type_error(kind, reduce):
     # It gave backend-dependent AttributeErrors, or one statistic over a tuple's
     # tensors stacked together.
     make = {"tuple": lambda x: (x, 2 * x), "dict": lambda x: {"a": x},
-            "str": lambda x: "hi"}[kind]
+            "str": lambda x: "hi", "ndarray": lambda x: np.array(["a", "b"])}[kind]
     model = cs.Sequential([keras.Input((2,)), _Sows(make, name="s")], name="m")
     for call in (lambda: model.predict(X, verbose=0), lambda: model(X)):
         with pytest.raises(TypeError) as info:
@@ -92,7 +92,7 @@ def test_sowing_anything_but_one_tensor_is_a_type_error(kind, reduce):
         message = str(info.value)
         assert f"cs.sow records one tensor, and `m/s/v` was given a {kind}" in message
         assert f"Received: value={kind}" in message
-        assert ("under a name of its own" in message) == (kind != "str")
+        assert ("under a name of its own" in message) == (kind in ("tuple", "dict"))
     np.testing.assert_allclose(model.predict(X, verbose=0), X)  # off: passed through
     # Not recorded nor patched, it is passed through too; discovery lists it.
     dense = cs.Sequential([keras.Input((2,)), keras.layers.Dense(2, name="d"),
@@ -103,11 +103,13 @@ def test_sowing_anything_but_one_tensor_is_a_type_error(kind, reduce):
     assert "m/s/v" in cs.points(dense, X)
 
 
-@pytest.mark.parametrize("value", [3.0, 7, np.arange(3.0)])
+@pytest.mark.parametrize("value", [3.0, 7, np.arange(3.0)], ids=["float", "int", "array"])
 def test_a_sown_number_or_numpy_array_is_recorded_as_a_tensor(value):
     model = cs.Sequential([keras.Input((2,)), _Sows(lambda x: value, name="s")], name="m")
     with cs.capture(model) as cap, cs.capture(model, reduce="mean") as stats:
         model.predict(np.ones((6, 2), "float32"), batch_size=2, verbose=0)  # 3 steps
     expected = np.concatenate([np.reshape(value, (-1,))] * 3)
     np.testing.assert_allclose(cap["m/s/v:output"], expected)
+    # float64 is floatx, as Keras converts its inputs: one dtype on every backend.
+    assert cap["m/s/v:output"].dtype == ("int32" if isinstance(value, int) else "float32")
     assert stats["m/s/v:output/mean"] == pytest.approx(np.mean(value))

@@ -505,12 +505,19 @@ def sow(layer: keras.layers.Layer, name: str, value: Any) -> Any:
 
 
 def _one_tensor(point: str, value: Any) -> Any:
-    """A sown value is one tensor (a number or numpy array becomes one): its rows
-    are what a capture stacks, and its elements what a statistic reduces."""
+    """A sown value is one tensor (a number or numpy array becomes one, a float64
+    array as floatx, as Keras converts its inputs: the same dtype on every
+    backend): its rows are what a capture stacks, and its elements what a
+    statistic reduces."""
     if isinstance(value, keras.Variable) or ops.is_tensor(value):
         return value
-    if isinstance(value, (bool, int, float, np.ndarray, np.generic)):
-        return ops.convert_to_tensor(value)
+    if isinstance(value, (bool, int, float)):
+        return ops.convert_to_tensor(value)  # Keras's rule: int32, float32
+    if isinstance(value, (np.ndarray, np.generic)):
+        array = np.asarray(value)
+        if array.dtype.kind in "biuf":
+            floatx = array.dtype == np.float64
+            return ops.convert_to_tensor(array, keras.backend.floatx() if floatx else None)
     several = isinstance(value, (tuple, list, dict))
     raise TypeError(
         f"cs.sow records one tensor, and `{point}` was given a {type(value).__name__}"
