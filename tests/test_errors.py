@@ -113,3 +113,19 @@ def test_a_sown_number_or_numpy_array_is_recorded_as_a_tensor(value):
     # float64 is floatx, as Keras converts its inputs: one dtype on every backend.
     assert cap["m/s/v:output"].dtype == ("int32" if isinstance(value, int) else "float32")
     assert stats["m/s/v:output/mean"] == pytest.approx(np.mean(value))
+
+
+class _Slices(keras.layers.Layer):
+    def call(self, x):
+        k = cs.sow(self, "k", 1)  # a Python int the layer goes on using
+        return x[:, :k]
+
+
+def test_a_capture_never_changes_what_sow_returns():
+    # sow gave the converted tensor back: a static slice bound became a tracer (JAX
+    # raised), and a float64 array came back as float32.
+    model = cs.Sequential([keras.Input((2,)), _Slices(name="s")], name="m")
+    with cs.capture(model, "m/s/k") as cap:
+        out = model.predict(X, batch_size=1, verbose=0)
+    np.testing.assert_allclose(out, X[:, :1])
+    np.testing.assert_array_equal(cap["m/s/k:output"], [1, 1])

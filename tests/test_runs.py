@@ -418,6 +418,19 @@ def test_a_direct_calls_histogram_range_comes_from_the_call_with_its_arguments()
         np.testing.assert_allclose([lo, hi], [5.0 * _dense(model, X).min(),
                                               5.0 * _dense(model, X).max()], rtol=1e-5)
         assert cap["scaled/h:output/hist"].sum() == 2 * len(X)
+    # And with the call's patches: the values the call sees are patched ones.
+    model.compile(loss="mse")
+    reference = _dense(model, X)
+    for factor, call in ((500.0, lambda: model(X, scale=5.0)),
+                         (100.0, lambda: model.predict(X, verbose=0))):
+        with cs.patch(model, {"scaled/d": lambda h: 100.0 * h}), \
+                cs.capture(model, "scaled/h", reduce=("hist", "min", "max"), bins=4) as cap:
+            call()
+        lo, hi = float(cap["scaled/h:output/min"]), float(cap["scaled/h:output/max"])
+        np.testing.assert_allclose([lo, hi], factor * np.array([reference.min(),
+                                                                reference.max()]), rtol=1e-5)
+        np.testing.assert_allclose(cap.hist_edges("scaled/h:output/hist"),
+                                   np.linspace(lo, hi, 5), rtol=1e-5, atol=1e-5)
 
 
 def test_a_scope_value_read_inside_a_users_compiled_function_raises():

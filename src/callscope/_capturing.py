@@ -38,13 +38,15 @@ class CaptureMixin:
         self._cs_check_loops(captures, ())
         return tuple(c.spec for c in captures)
 
-    def _cs_find_ranges(self, specs, call_kind: str, data, state=None, call=None) -> None:
+    def _cs_find_ranges(self, specs, call_kind: str, data, state=None, call=None,
+                        patches=()) -> None:
         """Fixes each spec's histogram ranges for `call_kind` from one batch, the
         one the first step is about to see: an eager, stateless pass in that
         step's mode (training for `train`), with gradients where they are
         captured. `state` is the JAX step's state (Keras holds the weights
         there while its loop runs); elsewhere the variables hold them. `call`
-        makes a direct call (`model(x, ...)`) again, with all its arguments."""
+        makes a direct call (`model(x, ...)`) again, with all its arguments.
+        `patches` are the run's: the values the step sees are patched ones."""
         specs = [s for s in specs if s.finds_ranges() and s.ranges.pending(call_kind)]
         if not specs:
             return
@@ -65,7 +67,8 @@ class CaptureMixin:
 
         with keras.StatelessScope(state_mapping=_keras_compat.state_mapping(self, state)), \
                 _backend.same_random_numbers(), \
-                _record.collecting_for(probe, call_kind) as collector:
+                _record.collecting_for(probe, call_kind) as collector, \
+                _record.patching(patches, _FIRST_BATCH if call is None else None):
             collector.manual = True
             if grads:
                 _grads.impl.value_and_grads(collector, forward, ())
@@ -130,7 +133,7 @@ class CaptureMixin:
         first = args[0] if args else kwargs.get("inputs")
         specs = self._cs_prepare_capture(captures, first) if captures else ()
         invoke = invoke if invoke is not None else lambda: self(*args, **kwargs)
-        self._cs_find_ranges(specs, "call", (first,), state, call=invoke)
+        self._cs_find_ranges(specs, "call", (first,), state, call=invoke, patches=patches)
         if patches:
             _record.install_wrappers(self)
             self._cs_check_loops(captures, patches)
@@ -192,6 +195,15 @@ class CaptureMixin:
             "Use `cs.points(model, x)` to list them. "
             f"Received: patches={[p for _, p, _ in run.patches]}"
         )
+
+
+class _FirstBatch:
+    """The row offset of a run's first batch, for patches that take the batch."""
+
+    value = np.int32(0)
+
+
+_FIRST_BATCH = _FirstBatch()
 
 
 def first_x(args, kwargs):

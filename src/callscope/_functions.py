@@ -134,7 +134,7 @@ class RunFunction:
             # Histogram ranges come from the batch this first step sees, fixed
             # before the step is traced (it reads them while tracing).
             batch, args, state = _keras_compat.peek_batch(args)
-            model._cs_find_ranges(run.ranges, self.kind, batch, state)
+            model._cs_find_ranges(run.ranges, self.kind, batch, state, patches=run.patches)
         inputs = run.inputs_for(self.kind) if run is not None and run.has_inputs else None
         if inputs and _JAX:  # beside each batch, placed on the device once per run
             args = (args[0], _inputs.wrapped(args[1], inputs), *args[2:])

@@ -493,15 +493,18 @@ def sow(layer: keras.layers.Layer, name: str, value: Any) -> Any:
         collector.check_loop_point(point, patches)
         collector.tree.append((depth, point, layer, LOOP, True))
         return value
-    if not collector.discovery and (
-            collector.selects(point, layer, "output", sown=True)
-            or patches is not None and patches.find(point, collector) is not None):
+    patched = patches is not None and patches.find(point, collector) is not None
+    given = value
+    if not collector.discovery and (patched or collector.selects(point, layer, "output",
+                                                                 sown=True)):
         value = _one_tensor(point, value)  # (what is not recorded nor patched may be any)
-    if patches is not None:
+    if patched:
         value = patches.apply(point, value)
-    value = collector.record(point, layer, "output", value, sown=True)
-    collector.tree.append((depth, point, layer, value, True))
-    return value
+    recorded = collector.record(point, layer, "output", value, sown=True)
+    collector.tree.append((depth, point, layer, recorded, True))
+    # The caller goes on with its own value (a capture must not change the model),
+    # unless a patch replaced it or a gradient is taken with respect to it.
+    return recorded if patched or recorded is not value else given
 
 
 def _one_tensor(point: str, value: Any) -> Any:

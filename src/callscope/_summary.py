@@ -31,6 +31,8 @@ def _run(model, x):
 def _shape(value):
     if hasattr(value, "shape"):
         return tuple(value.shape)
+    if isinstance(value, (bool, int, float)):  # a sown number: one tensor, recorded
+        return ()
     if value is None or value is _record.LOOP:
         return None
     return keras.tree.map_structure(lambda v: tuple(v.shape) if hasattr(v, "shape") else None,
