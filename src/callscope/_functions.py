@@ -125,10 +125,8 @@ class RunFunction:
     def __call__(self, *args, **kwargs):
         model, function = self.model, self.__wrapped__
         run = _scope.run_of(model)
-        if run is not None and run.host is not None and run.host.failed:
-            if _JAX:  # the weights are in this step's state alone: keep them
-                _keras_compat.keep_loop_state(model, self.kind, args[0])
-            run.check()
+        if run is not None:
+            run.stop_if_failed(model, self.kind, args)
         if run is not None and run.ranges and any(s.ranges.pending(self.kind)
                                                   for s in run.ranges):
             # Histogram ranges come from the batch this first step sees, fixed

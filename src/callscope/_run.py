@@ -71,16 +71,22 @@ class Run:
         if self.host is not None:
             self.host.put(kind, sown)
 
-    def check(self) -> None:
-        """Raises what failed in a sink, before a step: the loop stops there.
+    def stop_if_failed(self, model, kind: str, args: tuple) -> None:
+        """Raises what failed in a sink, before the step of `kind` that `args`
+        start: the loop stops there.
 
         Not Keras's `stop_*` flags: they belong to the model, so another thread's
         loop on it would stop too. And not at the failing step's end: on JAX, the
-        state that step returned would be lost (its input was donated), where
-        before the next step it is the loop's `_jax_state`, which the failed call
-        puts back (`_keras_compat.restore_purged_values`)."""
-        if self.host is not None:
-            self.host.check()
+        state that step returned would be lost (its input was donated). Before the
+        next step it is that step's input, which becomes the loop's last state
+        (`_keras_compat.keep_loop_state`: after validation, or a callback's
+        predict, it is the only copy of the weights), and the failed call puts it
+        back (`_keras_compat.restore_purged_values`)."""
+        if self.host is None or self.host.failure is None:
+            return
+        if keras.backend.backend() == "jax":
+            _keras_compat.keep_loop_state(model, kind, args[0])
+        raise self.host.failure
 
     def end(self, error: BaseException | None = None) -> None:
         """The run ended (or raised `error`): the last values land, files close."""

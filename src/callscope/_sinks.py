@@ -279,8 +279,9 @@ class Landing:
 
     `put` never raises: it runs inside Keras's loop, where an exception would lose
     the JAX loop's state (its weights are donated to each step). A failure (the
-    writer's, or a streamed key that changed shape) stops the sinks; `check`
-    raises it before the next step, and `end` if there is none.
+    writer's, or a streamed key that changed shape) stops the sinks and is kept
+    in `failure`; the run raises it before its next step (`Run.stop_if_failed`),
+    or `end` does if there is none.
     """
 
     def __init__(self, calls: tuple):
@@ -288,14 +289,14 @@ class Landing:
         self._pending = None  # (kind, structure, handles) of the step still on its way
         self._lock = threading.RLock()  # a capture may be read from another thread
         self._writer: Writer | None = None
-        self._failure: Exception | None = None
+        self.failure: Exception | None = None
         self._step_rows = StepRows(calls)
         for call in calls:
             call._landing = self
 
     def put(self, kind: str, sown: Mapping) -> None:
         values = {name: value for name, value in sown.items() if "|" in name}
-        if self._failure is not None or not values:
+        if self.failure is not None or not values:
             return
         with self._lock:
             try:
@@ -305,15 +306,7 @@ class Landing:
                 if not _backend.copy_lags(leaves):
                     self.land()
             except Exception as failure:
-                self._failure, self._pending = failure, None
-
-    @property
-    def failed(self) -> bool:
-        return self._failure is not None
-
-    def check(self) -> None:
-        if self._failure is not None:
-            raise self._failure
+                self.failure, self._pending = failure, None
 
     def land(self) -> None:
         """The pending step's values into the calls' buffers (waits for them)."""
@@ -343,7 +336,7 @@ class Landing:
             try:
                 self.land()
             except Exception as failure:  # the run stops and raises it too, at its end
-                self._failure = self._failure or failure
+                self.failure = self.failure or failure
                 raise
             if self._writer is not None:
                 self._writer.drain()
@@ -357,7 +350,7 @@ class Landing:
         """Lands the last step, flushes and closes the files, and raises what
         failed. After a failure of the run (`error`), adds it to that as a note."""
         with self._lock:
-            problems = [self._failure] if self._failure is not None else []
+            problems = [self.failure] if self.failure is not None else []
             for finish in (self.land, self._release, self._close_writer):
                 try:
                     finish()
@@ -367,7 +360,9 @@ class Landing:
             return
         if error is None:
             raise problems[0]
-        if problems[0] is not error:  # else `check` raised it
+        # Not where the run raised this failure itself, or one that reads the same
+        # (fit and its validation, writing to one full disk).
+        if problems[0] is not error and str(problems[0]) != str(error):
             error.add_note(f"callscope could not finish the capture: {problems[0]}")
 
     def _release(self) -> None:
