@@ -419,6 +419,30 @@ def test_a_streamed_key_that_changes_shape_stops_the_loop_and_raises_at_the_end(
                                expected, rtol=1e-6)
 
 
+class _GrowingPairs(keras.utils.PyDataset):
+    """Two batches of (x, y), the second one longer: a streamed key changes shape."""
+
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, index):
+        return np.ones((2, 3 + index, 4), "float32"), np.zeros((2, 3), "float32")
+
+
+def test_fit_and_its_validation_failing_alike_raise_one_message(tmp_path):
+    keras.utils.set_random_seed(0)
+    model = cs.Sequential([keras.Input((None, 4)), keras.layers.Dense(3, name="d"),
+                           keras.layers.GlobalAveragePooling1D(name="pool")], name="s")
+    model.compile(optimizer="sgd", loss="mse")
+    message = r"changed shape from \(N, \[3, 3\]\) to \(2, 4, 3\)"
+    # fit's own streamed key fails at its last step, and so does its validation's:
+    # two failures that read the same are reported once, not again as a note.
+    with pytest.raises(ValueError, match=message) as raised:
+        with cs.capture(model, "s/d", to=tmp_path / "caps"):
+            model.fit(_GrowingPairs(), validation_data=_GrowingPairs(), verbose=0)
+    assert not getattr(raised.value, "__notes__", None)
+
+
 # --------------------------------------------------------------------------
 # fit's statistics: one packed row per step, each partial a view of it
 # --------------------------------------------------------------------------
