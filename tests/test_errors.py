@@ -129,3 +129,55 @@ def test_a_capture_never_changes_what_sow_returns():
         out = model.predict(X, batch_size=1, verbose=0)
     np.testing.assert_allclose(out, X[:, :1])
     np.testing.assert_array_equal(cap["m/s/k:output"], [1, 1])
+
+
+class _AddsInPlace(keras.layers.Layer):
+    """Changes its input in place on torch (`+=` on a torch tensor), and sows a
+    value it then changes in place too."""
+
+    def call(self, x):
+        x += 1.0
+        h = cs.sow(self, "h", x * 3.0)
+        h *= 2.0
+        return h
+
+
+# torch.compile's dynamo warns from inside its trace of a captured train step where a
+# tensor that needs a gradient was changed in place (torch 2.13.0; not without the
+# capture); what it computes is right.
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
+@pytest.mark.parametrize("jit_compile", [False, True])
+@pytest.mark.parametrize("method", ["predict", "fit"])
+def test_a_record_changed_in_place_later_is_refused_or_kept_as_recorded(method, jit_compile):
+    # torch updated `x += 1` in the recorded tensor itself: the capture showed the
+    # changed values. Eager torch now raises; torch.compile (which cannot tell) and
+    # the other backends (whose arrays never change) record the value as it was.
+    keras.utils.set_random_seed(0)
+    model = cs.Sequential([keras.Input((3,)), keras.layers.Dense(4, name="d"),
+                           _AddsInPlace(name="add"), keras.layers.Dense(1, name="o")],
+                          name="m")
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse", jit_compile=jit_compile)
+    x = np.random.default_rng(0).normal(size=(8, 3)).astype("float32")
+    dense = keras.Model(model.inputs, model.get_layer("d").output).predict(x, verbose=0)
+
+    def run():
+        with cs.capture(model, ("m/d", "m/add/h")) as cap:
+            if method == "predict":
+                model.predict(x, verbose=0)
+            else:
+                model.fit(x, np.zeros((8, 1)), batch_size=8, shuffle=False, verbose=0)
+        return cap
+
+    if keras.backend.backend() == "torch" and not jit_compile:
+        with pytest.raises(ValueError, match=r"`m/d` was changed in place after callscope "
+                                             r"recorded it.*Received: version \d+ when "
+                                             r"recorded, \d+ at the step's end"):
+            run()
+        # Nothing stays behind: the model runs, and captures what it does not change.
+        with cs.capture(model, "m/o") as cap:
+            model.predict(x, verbose=0)
+        assert cap["m/o:output"].shape == (8, 1)
+        return
+    cap = run()
+    np.testing.assert_allclose(cap["m/d:output"], dense, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(cap["m/add/h:output"], (dense + 1.0) * 3.0, rtol=1e-5, atol=1e-5)

@@ -92,6 +92,27 @@ def test_non_finite_values_are_counted_and_left_out_of_every_other_statistic(jit
 
 
 @pytest.mark.parametrize("jit_compile", JIT)
+@pytest.mark.parametrize("with_nan", [False, True], ids=["finite", "masked"])
+def test_std_is_exact_where_the_mean_rounds(jit_compile, with_nan):
+    # M2 summed about a float32-rounded mean was off by n times the rounding
+    # squared: a constant 0.1 had std 7e-9, and two values a float32 step apart
+    # near 1e4 had std 41% too high. A NaN element takes the masked path.
+    model = _ident()
+    model.compile(jit_compile=jit_compile)
+    step = np.nextafter(np.float32(1e4), np.float32(np.inf))
+    for x in (np.full((3, 4), 0.1, "float32"),
+              np.array([[1e4, step, 1e4, step]] * 3, "float32")):
+        if with_nan:
+            x[0, 0] = np.nan
+        with cs.capture(model, "m/ident", reduce=("std", "rms")) as cap:
+            model.predict(x, verbose=0)
+        finite = x[np.isfinite(x)].astype(np.float64)
+        assert cap["m/ident:output/std"] == pytest.approx(finite.std(), rel=1e-6, abs=0)
+        assert cap["m/ident:output/rms"] == pytest.approx(
+            np.sqrt((finite ** 2).mean()), rel=1e-6)
+
+
+@pytest.mark.parametrize("jit_compile", JIT)
 def test_values_outside_the_range_still_count_in_the_edge_bins(jit_compile):
     model = _ident()
     model.compile(jit_compile=jit_compile)

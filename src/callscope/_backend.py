@@ -158,7 +158,9 @@ def as_recorded(value, kind: str):
     place, a tensor that may share a variable's memory is copied: a view of a
     `Parameter` (a slice, a broadcast), and, in a train step, a tensor with no
     autograd history (a variable itself, or one detached). Activations, which
-    have a history in training and are views of no variable, are kept as they are.
+    have a history in training and are views of no variable, are kept as they are:
+    a later in-place op on one raises at the step's end (`version`). Under
+    torch.compile, which can tell neither, every record is copied.
     """
     if isinstance(value, keras.Variable):
         value = value.value  # JAX, in a step: the step's state
@@ -173,15 +175,32 @@ def as_recorded(value, kind: str):
     if not isinstance(value, torch.Tensor):
         return value
     if torch.compiler.is_compiling():
-        # `_base` and `grad_fn` do not trace (the step recompiles per layer), and a
-        # view of a weight leaves the compiled train step as the updated weight
-        # (checked, torch 2.13.0): copy a train step's records there (in the graph,
-        # where the copy can fuse with the op that makes the value).
-        return value.clone() if kind == "train" else value
+        # `_base`, `grad_fn` and `_version` do not trace (the step recompiles per
+        # layer). A view of a weight leaves the compiled train step as the updated
+        # weight, and a value changed in place later in the step (`x += 1`) as the
+        # changed value (checked, torch 2.13.0): copy every record there (in the
+        # graph, where the copy can fuse with the op that makes the value).
+        return value.clone()
     base = value._base if value._base is not None else value
     if isinstance(base, torch.nn.Parameter) or (kind == "train" and value.grad_fn is None):
         return value.clone()
     return value
+
+
+def version(value) -> int | None:
+    """torch, eager: `value`'s in-place version counter, read when it is recorded,
+    so that the step can tell at its end whether a later op changed it in place
+    (`x += 1`): its record would then show the changed values. None where there
+    is none: other backends' arrays never change, an inference-mode tensor keeps
+    no counter, and under torch.compile it does not trace."""
+    if BACKEND != "torch":
+        return None
+    import torch
+
+    if not isinstance(value, torch.Tensor) or value.is_inference() \
+            or torch.compiler.is_compiling():
+        return None
+    return value._version
 
 
 def trace_marker():

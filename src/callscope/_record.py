@@ -145,6 +145,7 @@ class Collector:
     owners = _Fresh()  # point -> id(layer): instances never share
     loops = _Fresh()  # point inside a loop -> the layer running it
     grad_sources = _Fresh()  # "index|point|grad" -> gradient sources
+    versions = _Fresh()  # torch: id(record) -> (point, record, its version when recorded)
 
     def __init__(self, specs: tuple[Spec, ...], kind: str = "call",
                  resolved: Resolved | None = None):
@@ -236,6 +237,9 @@ class Collector:
             if records:
                 if kept is None:
                     kept = _backend.as_recorded(value, self.kind)
+                    version = _backend.version(kept)
+                    if version is not None:
+                        self.versions[id(kept)] = (point, kept, version)
                 self.records.setdefault(f"{index}|{named}|{kind}", []).append(kept)
             if grads:
                 sources = self.grad_sources.setdefault(f"{index}|{named}|grad", [])
@@ -296,6 +300,7 @@ class Collector:
 
     def finalize(self) -> dict[str, Any]:
         """The step's extra outputs: `"index|key"` to a tensor or to partials."""
+        self._check_unchanged()
         out = {}
         for name, values in self.records.items():
             index, point, kind = split_record(name)
@@ -312,6 +317,20 @@ class Collector:
             out[ROWS] = self.rows
         return out
 
+
+    def _check_unchanged(self) -> None:
+        """Raises where a torch op changed a recorded tensor in place after it was
+        recorded: its record, read at the step's end, would show the new values."""
+        for point, value, version in self.versions.values():
+            if value._version != version:
+                raise ValueError(
+                    f"`{point}` was changed in place after callscope recorded it, by a "
+                    "later op of the call (torch: `x += 1`, `x.mul_(2)`, `x[i] = v` on "
+                    "the same tensor or a view of it), so its capture would show the "
+                    "changed values. Make that op out-of-place (`x = x + 1`), or record "
+                    "a copy (`cs.sow(self, name, keras.ops.copy(x))`). Received: "
+                    f"version {version} when recorded, {value._version} at the step's end"
+                )
 
     def hist_range(self, index: int, key: str):
         """`(lo, hi)` where constant (given, or eager: the spec's own found range);

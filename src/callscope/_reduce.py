@@ -118,9 +118,9 @@ def _masked_partials(x, needed, bins, hist_range):
     if "mean" in needed or "m2" in needed:
         # 0 when n == 0, so that an empty partial never carries a NaN mean.
         mean = ops.sum(xf) / ops.maximum(n, 1.0)
-        out["mean"] = mean
         if "m2" in needed:
-            out["m2"] = ops.sum(ops.square(ops.where(finite, xf - mean, 0.0)))
+            mean, out["m2"] = _centred(ops.where(finite, xf - mean, 0.0), mean, n)
+        out["mean"] = mean
     inf = float("inf")
     if "min" in needed:
         out["min"] = ops.min(ops.where(finite, x, inf), initial=inf)
@@ -141,6 +141,17 @@ def _masked_partials(x, needed, bins, hist_range):
     return out
 
 
+def _centred(deviations, mean, n):
+    """The mean and M2 from the deviations about a first `mean` (corrected two-pass:
+    `mean` is a float32 sum over n, off by its rounding; the deviations' own sum
+    corrects both, so a constant tensor has M2 0 and its exact value as mean, where
+    Σd² alone gave n times the rounding squared)."""
+    n = ops.maximum(n, 1.0)
+    drift = ops.sum(deviations)
+    m2 = ops.sum(ops.square(deviations)) - ops.square(drift) / n
+    return mean + drift / n, ops.maximum(m2, 0.0)
+
+
 def _finite_partials(x, total, needed, bins, hist_range):
     """`_masked_partials` of a tensor whose elements are all finite: the same values
     (the masks there select everything), without the masks. A TF tensor whose
@@ -152,9 +163,9 @@ def _finite_partials(x, total, needed, bins, hist_range):
         out["n"] = size
     if "mean" in needed or "m2" in needed:
         mean = total / ops.maximum(size, 1.0)
-        out["mean"] = mean
         if "m2" in needed:
-            out["m2"] = ops.sum(ops.square(x - mean))
+            mean, out["m2"] = _centred(x - mean, mean, size)
+        out["mean"] = mean
     if "min" in needed:
         out["min"] = ops.min(x)
     if "max" in needed:
@@ -408,9 +419,12 @@ def _torch_partials(value, stats, bins, hist_range):
         if "mean" in needed or "m2" in needed:
             mean = xf.sum() / n.clamp(min=1.0)
             names.append("mean"), scalars.append(mean)
-            if "m2" in needed:
+            if "m2" in needed:  # corrected two-pass, as `_centred`
                 centred = (xf - mean).masked_fill_(bad, 0.0)
-                names.append("m2"), scalars.append(torch.dot(centred, centred))
+                drift = centred.sum()
+                scalars[-1] = mean + drift / n.clamp(min=1.0)
+                m2 = torch.dot(centred, centred) - drift * drift / n.clamp(min=1.0)
+                names.append("m2"), scalars.append(m2.clamp(min=0.0))
         # The identities (+inf for min, -inf for max and absmax) where nothing is
         # finite, empty tensors included (torch's min and max reject those).
         for name, fill in (("min", inf), ("max", -inf), ("absmax", -inf)):
@@ -475,8 +489,10 @@ def _torch_finite_partials(x, total, needed, bins, hist_range):
             # Cancellation (or rounding below 0), or squares past float32's range
             # (|x| > 1.8e19) where the centred values may still be within it.
             if not (math.isfinite(squares) and 2 * m2 >= squares):
-                centred = x - mean
-                m2 = torch.dot(centred, centred).item()
+                centred = x - mean  # corrected two-pass, as `_centred`
+                drift = centred.sum().item()
+                host["mean"] = mean + drift / size
+                m2 = max(torch.dot(centred, centred).item() - drift * drift / size, 0.0)
             host["m2"] = m2
     if needed.intersection(("min", "max", "absmax")):
         low, high = (v.item() for v in torch.aminmax(x))
