@@ -143,6 +143,39 @@ def test_two_threads_with_different_dynamic_values_each_see_their_own():
             np.testing.assert_allclose(out, base * t, rtol=1e-5, atol=1e-4)
 
 
+def _times(h, values):
+    return h * values["s"]
+
+
+@pytest.mark.parametrize("run_eagerly", [False, True])
+def test_a_patched_predict_and_a_patched_evaluate_in_two_threads_both_finish(run_eagerly):
+    # A TF or torch predict step held the dynamic-input lock and took the gate in
+    # the model's own call; an evaluate holding the gate waited for that lock:
+    # both hung. Dynamic context values take the same lock.
+    model = _scaled()
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse", run_eagerly=run_eagerly)
+    base = _dense(model, X)
+    results = {"predict": [], "evaluate": []}
+
+    def predictor():
+        for _ in range(6):
+            with cs.patch(model, {"t/d": _times}, values={"s": 2.0}):
+                results["predict"].append(
+                    model.predict(X, batch_size=2, temperature=5.0, verbose=0))
+
+    def evaluator():
+        for _ in range(6):
+            with cs.patch(model, {"t/d": _times}, values={"s": 3.0}):
+                results["evaluate"].append(
+                    model.evaluate(X, Y, batch_size=2, temperature=7.0, verbose=0))
+
+    _in_threads(predictor, evaluator)
+    for out in results["predict"]:
+        np.testing.assert_allclose(out, base * 10.0, rtol=1e-5, atol=1e-4)
+    for loss in results["evaluate"]:
+        assert loss == pytest.approx(float(np.mean((base * 21.0 - Y) ** 2)), rel=1e-5)
+
+
 def test_a_worker_thread_does_not_inherit_the_scope_unless_copied():
     seen = {}
     with cs.context(mode="a"):

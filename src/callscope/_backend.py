@@ -197,8 +197,8 @@ def version(value) -> int | None:
         return None
     import torch
 
-    if not isinstance(value, torch.Tensor) or value.is_inference() \
-            or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or not isinstance(value, torch.Tensor) \
+            or value.is_inference():
         return None
     return value._version
 
