@@ -85,6 +85,31 @@ def test_a_sweep_of_values_compiles_once():
     assert len(model._cs_table()) == 1
 
 
+class _Ablation:
+    def zero_position(self, h, values):
+        return _zero_position(h, values)
+
+    def zero_from(self, h, batch, values):  # a batch patch too
+        return _zero_position(h, values)
+
+
+@pytest.mark.parametrize("method", ["zero_position", "zero_from"])
+def test_a_sweep_by_a_bound_method_compiles_once(method):
+    # `ablation.zero_position` is a new object at each access: keyed by identity, it
+    # compiled once per scope (64 compiles, evicted with warnings after 8).
+    model, ablation = _model(), _Ablation()
+    outputs, builds = _sweep(
+        model, lambda p: ({"net/block": getattr(ablation, method)}, {"position": p}))
+    _check_compiled_once(builds)
+    zeroed = _block(model, X)
+    zeroed[:, 63] = 0.0
+    np.testing.assert_allclose(outputs[63], _reference(model, zeroed), rtol=1e-5, atol=1e-5)
+    # Another object's method is another function: its own key.
+    with cs.patch(model, {"net/block": getattr(_Ablation(), method)}, values={"position": 1}):
+        model.predict(X, verbose=0)
+    assert builds["predict"] == 2
+
+
 def test_a_sweep_of_patch_arrays_compiles_once():
     model = _model()
     clean = _block(model, X[::-1].copy())  # another run's activations

@@ -105,7 +105,7 @@ class ValuesPatch(DynamicPatch):
         return self.fn(value, values=values)
 
     def _identity(self) -> tuple:
-        return (id(self.fn), self.takes_batch, self.structure())
+        return (function_identity(self.fn), self.takes_batch, self.structure())
 
 
 class BatchPatch:
@@ -122,10 +122,22 @@ class BatchPatch:
 
     # The same function is the same key: no retrace per scope.
     def __eq__(self, other):
-        return isinstance(other, BatchPatch) and other.fn is self.fn
+        return isinstance(other, BatchPatch) and (
+            function_identity(other.fn) == function_identity(self.fn))
 
     def __hash__(self):
-        return hash(("BatchPatch", id(self.fn)))
+        return hash(("BatchPatch", function_identity(self.fn)))
+
+
+def function_identity(fn) -> tuple:
+    """What makes two patch functions the same key. A bound method is a new object
+    at each attribute access (`obj.zero_unit`): it is its object and function, or
+    a sweep would compile once per scope. (The key holds `fn`, so the ids stay
+    those of live objects.)"""
+    owner, function = getattr(fn, "__self__", None), getattr(fn, "__func__", None)
+    if owner is not None and function is not None:
+        return ("method", id(owner), id(function))
+    return ("function", id(fn))
 
 
 def keyed(fn):
