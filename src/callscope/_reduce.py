@@ -417,14 +417,16 @@ def _torch_partials(value, stats, bins, hist_range):
             n = size - nbad
             names.append("n"), scalars.append(n)
         if "mean" in needed or "m2" in needed:
-            mean = xf.sum() / n.clamp(min=1.0)
+            at_least_1 = n.clamp(min=1.0)
+            mean = xf.sum() / at_least_1
             names.append("mean"), scalars.append(mean)
             if "m2" in needed:  # corrected two-pass, as `_centred`
                 centred = (xf - mean).masked_fill_(bad, 0.0)
                 drift = centred.sum()
-                scalars[-1] = mean + drift / n.clamp(min=1.0)
-                m2 = torch.dot(centred, centred) - drift * drift / n.clamp(min=1.0)
-                names.append("m2"), scalars.append(m2.clamp(min=0.0))
+                shift = drift / at_least_1
+                scalars[-1] = mean + shift
+                m2 = (torch.dot(centred, centred) - drift * shift).clamp_(min=0.0)
+                names.append("m2"), scalars.append(m2)
         # The identities (+inf for min, -inf for max and absmax) where nothing is
         # finite, empty tensors included (torch's min and max reject those).
         for name, fill in (("min", inf), ("max", -inf), ("absmax", -inf)):
