@@ -168,10 +168,10 @@ class ContextMixin(Engine, _keras_compat.LossHook, *_JAX_HOOKS):
             captures, patches = self._cs_call_scopes(tracing)
             if captures or patches:
                 return self._cs_call_capturing(captures, patches, args, kwargs)
-        # A step's own call of the model is not: its method took the turn it needs.
-        # (Taking the gate here too, a TF or torch predict step, holding the
-        # dynamic-input lock, waited for an evaluate in another thread that held
-        # the gate and waited for that lock.)
+        # A step's own call of the model takes no gate: the method running the step
+        # took the turn it needs. (Taking it here too, a TF or torch predict step
+        # holding the dynamic-input lock waited for an evaluate in another thread
+        # that held the gate and waited for that lock.)
         eager = not symbolic and not tracing
         gate = state.gate if eager and not _scope.stepping(self) else None
         token = gate.enter() if gate is not None else None

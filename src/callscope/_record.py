@@ -317,7 +317,6 @@ class Collector:
             out[ROWS] = self.rows
         return out
 
-
     def _check_unchanged(self) -> None:
         """Raises where a torch op changed a recorded tensor in place after it was
         recorded: its record, read at the step's end, would show the new values."""
