@@ -221,6 +221,50 @@ def test_streaming_opens_each_file_once_and_writes_on_the_writer_thread(
                                _wide(model, x), rtol=1e-5, atol=1e-5)
 
 
+class _Refilled(keras.layers.Layer):
+    """Returns one tensor that it refills in place at each call (a torch layer
+    keeping a buffer across calls, as a cache does); elsewhere a copy."""
+
+    def call(self, x):
+        if BACKEND != "torch":
+            return keras.ops.copy(x)
+        import torch
+
+        buffer = self.__dict__.get("_buffer")
+        if buffer is None or buffer.shape != x.shape:
+            buffer = self.__dict__["_buffer"] = torch.empty_like(x)
+        with torch.no_grad():
+            buffer.copy_(x)
+        return buffer
+
+
+def test_a_streamed_batch_is_written_as_its_step_left_it(tmp_path, monkeypatch):
+    # torch reads a step's tensors in place (no copy on the way to the host); the
+    # writer, held up here, writes a batch steps later, after the layer refilled
+    # its buffer. Each streamed batch must still be its own step's rows.
+    class Slow:
+        def __init__(self, path, mode):
+            self._file = open(path, mode)  # noqa: SIM115 - closed by the writer
+
+        def write(self, data):
+            time.sleep(0.01)
+            return self._file.write(data)
+
+        def flush(self):
+            self._file.flush()
+
+        def close(self):
+            self._file.close()
+
+    monkeypatch.setattr(_writer, "open", Slow, raising=False)
+    model = cs.Sequential([keras.Input((8,)), _Refilled(name="r")], name="m")
+    x = np.repeat(np.arange(24, dtype="float32")[:, None], 8, axis=1)
+    with cs.capture(model, "*/r", to=tmp_path / "caps") as cap:
+        model.predict(x, batch_size=4, verbose=0)
+    np.testing.assert_array_equal(cap["m/r:output"], x)
+    np.testing.assert_array_equal(cs.load_capture(tmp_path / "caps")["m/r:output"], x)
+
+
 @pytest.mark.parametrize("jit_compile", JIT)
 def test_a_writer_error_surfaces_in_the_caller_and_the_index_says_what_is_on_disk(
         tmp_path, jit_compile):

@@ -376,9 +376,30 @@ def to_host(handles: list) -> list:
         if isinstance(handle, tuple):  # torch on CUDA: (pinned host tensor, event)
             handle[1].synchronize()
             handle = handle[0]
-        out.append(handle if isinstance(handle, np.ndarray)
-                   else np.asarray(keras.ops.convert_to_numpy(handle)))
+        out.append(handle if isinstance(handle, np.ndarray) else _host_array(handle))
     return out
+
+
+def _host_array(value) -> np.ndarray:
+    """`value` on the host. A torch CPU tensor is read in place, without a copy
+    (Keras's `convert_to_numpy` copies it: one more pass over every captured byte,
+    about a tenth of a full capture's predict on a CPU). That view is only ever
+    copied at once (`HostBuffer.append`), or through `owned`."""
+    if BACKEND == "torch" and getattr(value, "device", None) is not None \
+            and value.device.type == "cpu":
+        try:
+            return value.numpy()
+        except (TypeError, RuntimeError):  # bfloat16, or a conj/neg bit: converted
+            pass
+    return np.asarray(keras.ops.convert_to_numpy(value))
+
+
+def owned(array: np.ndarray) -> np.ndarray:
+    """`array` as something kept for later may hold (a streamed batch, which the
+    writer thread writes steps after): a copy where it views a torch tensor, whose
+    memory a later step may change in place (a layer that refills one buffer at
+    each call). JAX and TF arrays never change."""
+    return np.array(array) if BACKEND == "torch" and not array.flags.owndata else array
 
 
 def copy_lags(leaves: list) -> bool:

@@ -425,7 +425,7 @@ class Call(Mapping):
         elif self._dir is None:
             (self._full.get(key) or self._full.setdefault(key, HostBuffer(key))).append(value)
         else:
-            self._stream(key, np.asarray(value))
+            self._stream(key, _backend.owned(np.asarray(value)))
 
     def _new_file(self, key: str, name: str, dtype, row, **extra) -> dict:
         entry = self._files[key] = {"dtype": dtype_name(dtype), "row": list(row),
