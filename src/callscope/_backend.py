@@ -381,25 +381,28 @@ def to_host(handles: list) -> list:
 
 
 def _host_array(value) -> np.ndarray:
-    """`value` on the host. A torch CPU tensor is read in place, without a copy
-    (Keras's `convert_to_numpy` copies it: one more pass over every captured byte,
-    about a tenth of a full capture's predict on a CPU). That view is only ever
-    copied at once (`HostBuffer.append`), or through `owned`."""
-    if BACKEND == "torch" and getattr(value, "device", None) is not None \
-            and value.device.type == "cpu":
+    """`value` on the host. A torch or TF tensor in host memory is read in place,
+    without a copy (Keras's `convert_to_numpy` copies it: one more pass over every
+    captured byte, a tenth of a full capture's predict on torch). Such a view is
+    only ever copied at once (`HostBuffer.append`), or through `owned`."""
+    device = getattr(value, "device", None)
+    if BACKEND == "torch" and device is not None and device.type == "cpu":
         try:
             return value.numpy()
         except (TypeError, RuntimeError):  # bfloat16, or a conj/neg bit: converted
             pass
+    if BACKEND == "tensorflow" and isinstance(device, str) and "CPU" in device.upper() \
+            and hasattr(value, "__array__"):  # an eager dense tensor
+        return np.asarray(value)
     return np.asarray(keras.ops.convert_to_numpy(value))
 
 
 def owned(array: np.ndarray) -> np.ndarray:
     """`array` as something kept for later may hold (a streamed batch, which the
-    writer thread writes steps after): a copy where it views a torch tensor, whose
-    memory a later step may change in place (a layer that refills one buffer at
-    each call). JAX and TF arrays never change."""
-    return np.array(array) if BACKEND == "torch" and not array.flags.owndata else array
+    writer thread writes steps after): a copy where it views a torch or TF tensor,
+    whose memory a later step may change in place (a torch layer that refills one
+    buffer at each call). JAX arrays never change."""
+    return array if BACKEND == "jax" or array.flags.owndata else np.array(array)
 
 
 def copy_lags(leaves: list) -> bool:
