@@ -65,6 +65,14 @@ def _zero(value):
     return value * 0.0
 
 
+def _scaled(value, values):
+    return value * values["scale"]
+
+
+# A patch array: one row per row of the data, sliced per batch by the row offset.
+ROWS = np.random.default_rng(1).normal(size=(len(X), 16)).astype("float32")
+
+
 def _scenarios(model):
     """name -> a call of `model`, returning what to compare with the eager run."""
     def fit(**kwargs):
@@ -79,8 +87,8 @@ def _scenarios(model):
             call()
         return dict(cap)
 
-    def patched():
-        with cs.patch(model, {"net/block_1": _zero}):
+    def patched(patch, **kwargs):
+        with cs.patch(model, {"net/block_1": patch}, **kwargs):
             return predict()
 
     return {
@@ -89,7 +97,10 @@ def _scenarios(model):
         "fit_capture": lambda: captured(fit, select="*/block_*"),
         "fit_stats": lambda: captured(fit, select="*/block_*", reduce=("mean", "std")),
         "fit_grad": lambda: captured(fit, select="*/block_?", kinds=("output", "grad")),
-        "predict_patch": patched,
+        "fit_hist": lambda: captured(fit, select="*/block_*", reduce="hist"),
+        "predict_patch": lambda: patched(_zero),
+        "predict_array_patch": lambda: patched(ROWS),
+        "predict_values_patch": lambda: patched(_scaled, values={"scale": np.float32(3.0)}),
         "predict_double": lambda: predict(mode="double"),
         "predict_half": lambda: predict(mode="half"),
         "fit_double": lambda: fit(mode="double"),
@@ -129,6 +140,7 @@ def dynamo():
 def _models(blocks):
     compiled, eager = Net(blocks, name="net"), Net(blocks, name="net")
     for model, jit in ((compiled, True), (eager, False)):
+        model.context_cache_size = 16  # a key per scenario, none evicted
         model.compile(optimizer="sgd", loss="mse", jit_compile=jit)
         model(X[:2])
     eager.set_weights(compiled.get_weights())
@@ -148,10 +160,14 @@ def _assert_same(got, want, name):
 
 # The frames a first run compiles (measured with keras 3.15.1, torch 2.13: a
 # plain fit compiles 19, as stock Keras's compiled step with its own graph
-# breaks at `backward()` and in the optimizer; a capture's fit 28). The bound
+# breaks at `backward()` and in the optimizer; a capture's fit 28; a predict
+# with a patch that takes the batch (an array) broke the graph at every layer
+# call before `_record._first_batched`, and compiles 1 frame). The bound
 # is far below one frame per layer call (8 blocks: 24 layers per step).
-_FIRST = {"fit": 24, "predict": 2, "fit_capture": 32, "fit_stats": 32, "fit_grad": 0,
-          "predict_patch": 2, "predict_double": 2, "predict_half": 2, "fit_double": 24}
+_FIRST = {"fit": 24, "predict": 2, "fit_capture": 32, "fit_stats": 32, "fit_hist": 32,
+          "fit_grad": 0, "predict_patch": 2, "predict_array_patch": 2,
+          "predict_values_patch": 2, "predict_double": 2, "predict_half": 2,
+          "fit_double": 24}
 
 
 def test_compiled_scenarios_compile_once_and_equal_eager(dynamo):
@@ -173,15 +189,56 @@ def test_compiled_scenarios_compile_once_and_equal_eager(dynamo):
     assert first["fit"] > 0 and first["predict"] > 0
 
 
+GROWTH = ("fit_capture", "fit_hist", "predict_patch", "predict_array_patch",
+          "predict_double")
+
+
 def test_compiles_do_not_grow_with_the_number_of_layers(dynamo):
     counts = {}
     for blocks in (2, 8):
         model = Net(blocks, name="net")
         model.compile(optimizer="sgd", loss="mse", jit_compile=True)
         calls = _scenarios(model)
-        for name in ("fit_capture", "predict_patch", "predict_double"):
+        for name in GROWTH:
             before = len(dynamo)
             calls[name]()
             counts[blocks, name] = len(dynamo) - before
-    for name in ("fit_capture", "predict_patch", "predict_double"):
+    for name in GROWTH:
         assert counts[8, name] == counts[2, name] > 0, (name, counts)
+
+
+def _residual(blocks, jit_compile):
+    """A functional model whose `Add` layers take a list (a call no single tensor
+    describes: the layer wrappers walk its arguments)."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8,))
+    x = inputs
+    for i in range(blocks):
+        x = keras.layers.Add(name=f"add_{i}")([x, keras.layers.Dense(8, name=f"d_{i}")(x)])
+    model = cs.Model(inputs, keras.layers.Dense(1, name="head")(x), name="res")
+    model.compile(optimizer="sgd", loss="mse", jit_compile=jit_compile)
+    return model
+
+
+def test_layers_called_with_a_list_compile_once_however_many(dynamo):
+    # Before `_record._leaves`, `keras.tree.flatten` in the wrappers broke the
+    # graph at each such call: 8 blocks hit the recompile limit.
+    counts = {}
+    for blocks in (2, 8):
+        compiled, eager = _residual(blocks, True), _residual(blocks, False)
+        for run in ("first", "again"):
+            got = []
+            for model in (compiled, eager):
+                before = len(dynamo)
+                with cs.capture(model, "res/add_*") as cap:
+                    outputs = model.predict(X, batch_size=16, verbose=0)
+                if model is compiled:
+                    counts[blocks, run] = len(dynamo) - before
+                got.append((dict(cap), outputs))
+            assert len(got[0][0]) == blocks
+            _assert_same(got[0][0], got[1][0], f"{blocks} blocks ({run})")
+            _assert_same(got[0][1], got[1][1], f"{blocks} blocks ({run})")
+    # The first model compiles what every later one shares (27 frames, measured);
+    # a later model, of 8 blocks, compiles its own step only.
+    assert counts[2, "again"] == counts[8, "again"] == 0, counts
+    assert 0 < counts[8, "first"] <= 2 < counts[2, "first"], counts

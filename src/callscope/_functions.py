@@ -70,7 +70,7 @@ def step_closure(model, kind, values, specs, patches, reads, hits, used):
     step = getattr(type(model), f"{kind}_step")
     resolved = _record.Resolved()  # selections, once per key (torch: not per step)
     values = MappingProxyType(dict(values))
-    reads, hits = _scope.Later(reads), _scope.Later(hits)
+    reads, hits, used = _scope.Later(reads), _scope.Later(hits), _scope.Later(used)
 
     def scoped_step(*args, **kwargs):
         # `try`/`finally`, not `with`: see `_scope.push`.
@@ -86,7 +86,7 @@ def step_closure(model, kind, values, specs, patches, reads, hits, used):
 
     def _recording_step(*args, **kwargs):
         offset = model._cs.rows_offset if patches else None
-        args, inputs = _inputs.unwrap(model, args, used)
+        args, inputs = _inputs.unwrap(model, args)
         collector = _record.Collector(specs, kind, resolved)
         active = _record.Patches(patches, offset, inputs) if patches else None
         outer = _record.activate(collector, active)
@@ -102,6 +102,7 @@ def step_closure(model, kind, values, specs, patches, reads, hits, used):
             return _steps.attach(kind, result, sown) if sown else result
         finally:
             _record.activate(*outer)
+            _scope.join_after(used, inputs.used)
 
     scoped_step.__name__ = f"{kind}_step"
     return scoped_step

@@ -55,10 +55,14 @@ def of_run(run, kind: str) -> dict[str, np.ndarray]:
 
 class Reader:
     """What a traced step reads its dynamic inputs from; notes each name it read
-    (`used`), so that a later run of the same compiled step is checked to give it."""
+    (`used`), so that a later run of the same compiled step is checked to give it.
+    The names go in a set of its own, which the step joins into its key's set
+    when it returns (`_scope.join_after`): under torch.compile, a set from before
+    the trace changed inside it breaks the graph at every later layer call (as a
+    dict does, see `_record._Fresh`)."""
 
-    def __init__(self, model, values: dict | None, used: set):
-        self.model, self.values, self.used = model, values, used
+    def __init__(self, model, values: dict | None):
+        self.model, self.values, self.used = model, values, set()
 
     def names(self) -> frozenset:
         if self.values is not None:
@@ -72,12 +76,12 @@ class Reader:
         return self.model._cs.slots[(name, tuple(shape), str(dtype))].value
 
 
-def unwrap(model, args: tuple, used: set) -> tuple[tuple, Reader]:
+def unwrap(model, args: tuple) -> tuple[tuple, Reader]:
     """(the step's arguments with its batch unwrapped, the reader of its inputs)."""
     if _JAX and len(args) > 1 and isinstance(args[1], dict) and INPUTS in args[1]:
         data = args[1]
-        return (args[0], data[DATA], *args[2:]), Reader(model, data[INPUTS], used)
-    return args, Reader(model, None, used)
+        return (args[0], data[DATA], *args[2:]), Reader(model, data[INPUTS])
+    return args, Reader(model, None)
 
 
 def wrapped(iterator, values: dict):

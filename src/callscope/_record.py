@@ -667,16 +667,35 @@ def _symbolic(args, kwargs) -> bool:
     if len(args) == 1 and _is_tensor(args[0]) and not any(
             isinstance(v, list | tuple | dict) or _is_tensor(v) for v in kwargs.values()):
         return _backend.is_symbolic(args)
-    return _backend.is_symbolic(keras.tree.flatten((args, kwargs)))
+    return _backend.is_symbolic(_leaves((args, kwargs)))
 
 
 def _batch_rows(args, kwargs):
-    leaves = [v for v in keras.tree.flatten((args, kwargs)) if _is_tensor(v) and len(v.shape)]
-    if not leaves:
+    leaf = next((v for v in _leaves((args, kwargs)) if _is_tensor(v) and len(v.shape)), None)
+    if leaf is None:
         return None
-    rows = leaves[0].shape[0]
-    rows = ops.shape(leaves[0])[0] if rows is None else rows
+    rows = leaf.shape[0]
+    rows = ops.shape(leaf)[0] if rows is None else rows
     return ops.reshape(ops.cast(rows, "int32"), (1,))
+
+
+def _leaves(value, into=None) -> list:
+    """The leaves of nested lists, tuples and dicts in `value`, in the order of
+    `keras.tree.flatten`. A walk of its own for the layer calls of a step: under
+    torch.compile, `keras.tree.flatten` changes a dict that dynamo watches, which
+    breaks the graph at every later layer call (a model with an `Add` layer, or a
+    patch that takes the batch, compiled a frame per layer, up to the recompile
+    limit)."""
+    into = [] if into is None else into
+    if isinstance(value, dict):
+        for key in sorted(value):
+            _leaves(value[key], into)
+    elif isinstance(value, list | tuple):
+        for item in value:
+            _leaves(item, into)
+    else:
+        into.append(value)
+    return into
 
 
 def _record_outputs(collector, patches, point, layer, outputs, depth):
