@@ -472,3 +472,39 @@ def test_streaming_bfloat16_reads_back_what_memory_holds(tmp_path):
         assert got.dtype == held["bf/d:output"].dtype
         np.testing.assert_array_equal(got.astype("float32"),
                                       held["bf/d:output"].astype("float32"))
+
+
+class _ByBatchSize(cs.Model):
+    """Runs `extra` only for batches of 4 rows: a branch on a static shape, which
+    a compiled step fixes where it is traced."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.first = keras.layers.Dense(3, name="first")
+        self.extra = keras.layers.Dense(3, name="extra")
+
+    def call(self, x):
+        x = self.first(x)
+        return self.extra(x) if x.shape[0] == 4 else x
+
+
+def test_a_compiled_step_that_reads_a_range_this_call_did_not_find_is_refused():
+    # The compiled step's histogram ranges are its inputs, found from each call's
+    # first batch. A later call of the same key whose first batch does not reach a
+    # point the step reads a range for cannot give it: refused, with the fix.
+    model = _ByBatchSize(name="m")
+    model.compile(loss="mse")
+    x = np.random.default_rng(0).normal(size=(8, 2)).astype("float32")
+    with cs.capture(model, "m/*", reduce="hist") as cap:
+        model.predict(x, batch_size=4, verbose=0)
+    assert sorted(cap) == ["m/extra:output/hist", "m/first:output/hist"]
+    with pytest.raises(ValueError) as raised:
+        with cs.capture(model, "m/*", reduce="hist"):
+            model.predict(x[:6], batch_size=2, verbose=0)
+    message = str(raised.value)
+    assert "Pass `hist_range=`" in message
+    assert message.endswith("Received: missing ranges ['range|0|m/extra:output']")
+    # With the range given there is nothing to find, and the call runs.
+    with cs.capture(model, "m/*", reduce="hist", hist_range=(-5.0, 5.0)) as cap:
+        model.predict(x[:6], batch_size=2, verbose=0)
+    assert sorted(cap) == ["m/first:output/hist"]
