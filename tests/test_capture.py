@@ -1,6 +1,8 @@
 """Capture inside compiled fit/evaluate/predict, compared with an eager numpy reference."""
 
+import enum
 import os
+import re
 
 import keras
 import numpy as np
@@ -508,3 +510,44 @@ def test_a_compiled_step_that_reads_a_range_this_call_did_not_find_is_refused():
     with cs.capture(model, "m/*", reduce="hist", hist_range=(-5.0, 5.0)) as cap:
         model.predict(x[:6], batch_size=2, verbose=0)
     assert sorted(cap) == ["m/first:output/hist"]
+
+
+class _Part(enum.Enum):
+    A = "a"
+    B = "b"
+
+
+class _Mix(keras.layers.Layer):
+    def call(self, x, parts):
+        return x + parts[_Part.A] * parts[_Part.B]
+
+
+class _EnumKeys(cs.Model):
+    """Calls a layer with a dict whose keys do not sort (Enum members)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(2, name="dense")
+        self.mix = _Mix(name="mix")
+
+    def call(self, x):
+        h = self.dense(x)
+        return self.mix(h, {_Part.B: h, _Part.A: h})
+
+
+def test_a_capture_runs_a_call_whose_dict_keys_do_not_sort_as_keras_does():
+    model = _EnumKeys(name="net")
+    x = np.random.default_rng(0).normal(size=(4, 3)).astype("float32")
+    try:
+        plain = model.predict(x, verbose=0)
+    except TypeError as error:  # torch: Keras itself sorts a call's dict keys
+        assert BACKEND == "torch", error
+        with pytest.raises(TypeError, match=re.escape(str(error).splitlines()[0][:40])):
+            with cs.capture(model, "net/*"):
+                model.predict(x, verbose=0)
+        return
+    with cs.capture(model, "net/*") as cap:
+        captured = model.predict(x, verbose=0)
+    np.testing.assert_array_equal(captured, plain)
+    h = cap["net/dense:output"]
+    np.testing.assert_allclose(cap["net/mix:output"], h + h * h, rtol=1e-6)

@@ -1,5 +1,7 @@
 """cs.patch: interventions inside compiled and eager calls, leaving nothing behind."""
 
+import collections
+
 import keras
 import numpy as np
 import pytest
@@ -84,3 +86,38 @@ def test_patched_runs_in_fit_and_unknown_points_are_named():
     with pytest.raises(TypeError, match="Received"):
         with cs.patch(model, {"tiny/b0": 3}):
             pass
+
+
+class _Tables(keras.utils.PyDataset):
+    """Batches of an ordered dict whose first entry is the batch (2 rows) and whose
+    second, a table of 5 rows, sorts before it."""
+
+    def __len__(self):
+        return 3
+
+    def __getitem__(self, index):
+        return (collections.OrderedDict([("x", np.zeros((2, 1), "float32")),
+                                         ("a_table", np.zeros((5, 1), "float32"))]),)
+
+
+class _WithTable(cs.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.ident = keras.layers.Identity(name="x")
+
+    def call(self, inputs):
+        return self.ident(inputs["x"]) + 0.0 * keras.ops.sum(inputs["a_table"])
+
+
+def test_a_batch_patch_counts_rows_from_the_first_input_in_keras_order():
+    # An ordered dict keeps its order (as keras.tree.flatten does): the batch's
+    # rows are its first entry's, not those of the entry whose name sorts first.
+    def row_index(value, batch):
+        rows = keras.ops.arange(batch.rows) + batch.start
+        return keras.ops.cast(keras.ops.reshape(rows, (-1, 1)), value.dtype)
+
+    model = _WithTable(name="m")
+    model(_Tables()[0][0])  # built first: see "JAX builds a model" in the README
+    with cs.patch(model, {"m/x": row_index}):
+        got = model.predict(_Tables(), verbose=0)
+    np.testing.assert_array_equal(got[:, 0], np.arange(6.0))

@@ -23,6 +23,7 @@ Globs skip it; naming it exactly, or patching it, raises `LoopPointError`.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import inspect
 import threading
@@ -688,7 +689,13 @@ def _leaves(value, into=None) -> list:
     limit)."""
     into = [] if into is None else into
     if isinstance(value, dict):
-        for key in sorted(value):
+        keys = list(value)
+        if not isinstance(value, collections.OrderedDict):  # kept in order, as there
+            try:
+                keys.sort()
+            except TypeError:  # keys that do not compare (Enum members): as given
+                pass
+        for key in keys:
             _leaves(value[key], into)
     elif isinstance(value, list | tuple):
         for item in value:
