@@ -188,20 +188,17 @@ def test_each_step_crosses_to_the_host_once_and_statistics_merge_as_they_arrive(
     assert full["m/out:output"].shape == (steps * batch, 1)
 
 
-@pytest.mark.parametrize("jit_compile", JIT)
-def test_streaming_opens_each_file_once_and_writes_on_the_writer_thread(
-        tmp_path, jit_compile, monkeypatch):
-    model, batch = _model(jit_compile), 4
-    x = rng.normal(size=(12 * batch, 8)).astype("float32")
-    opened, writers = [], set()
+def _watched_open(on_open=lambda path: None, on_write=lambda: None):
+    """An `open` for the writer (set as `_writer.open`) whose files call
+    `on_open(path)` and `on_write()` before the real file's open and write."""
 
-    class Counted:
+    class Watched:
         def __init__(self, path, mode):
-            opened.append(os.path.basename(path))
+            on_open(path)
             self._file = open(path, mode)  # noqa: SIM115 - closed by the writer
 
         def write(self, data):
-            writers.add(threading.current_thread().name)
+            on_write()
             return self._file.write(data)
 
         def flush(self):
@@ -210,7 +207,18 @@ def test_streaming_opens_each_file_once_and_writes_on_the_writer_thread(
         def close(self):
             self._file.close()
 
-    monkeypatch.setattr(_writer, "open", Counted, raising=False)
+    return Watched
+
+
+@pytest.mark.parametrize("jit_compile", JIT)
+def test_streaming_opens_each_file_once_and_writes_on_the_writer_thread(
+        tmp_path, jit_compile, monkeypatch):
+    model, batch = _model(jit_compile), 4
+    x = rng.normal(size=(12 * batch, 8)).astype("float32")
+    opened, writers = [], set()
+    counted = _watched_open(on_open=lambda path: opened.append(os.path.basename(path)),
+                            on_write=lambda: writers.add(threading.current_thread().name))
+    monkeypatch.setattr(_writer, "open", counted, raising=False)
     with cs.capture(model, ("*/wide", "*/out"), to=tmp_path / "caps") as cap:
         model.predict(x, batch_size=batch, verbose=0)
     assert sorted(opened) == ["0000.bin", "0001.bin"]  # once per file, not per batch
@@ -242,21 +250,8 @@ def test_a_streamed_batch_is_written_as_its_step_left_it(tmp_path, monkeypatch):
     # torch reads a step's tensors in place (no copy on the way to the host); the
     # writer, held up here, writes a batch steps later, after the layer refilled
     # its buffer. Each streamed batch must still be its own step's rows.
-    class Slow:
-        def __init__(self, path, mode):
-            self._file = open(path, mode)  # noqa: SIM115 - closed by the writer
-
-        def write(self, data):
-            time.sleep(0.01)
-            return self._file.write(data)
-
-        def flush(self):
-            self._file.flush()
-
-        def close(self):
-            self._file.close()
-
-    monkeypatch.setattr(_writer, "open", Slow, raising=False)
+    slow = _watched_open(on_write=lambda: time.sleep(0.01))
+    monkeypatch.setattr(_writer, "open", slow, raising=False)
     model = cs.Sequential([keras.Input((8,)), _Refilled(name="r")], name="m")
     x = np.repeat(np.arange(24, dtype="float32")[:, None], 8, axis=1)
     with cs.capture(model, "*/r", to=tmp_path / "caps") as cap:
