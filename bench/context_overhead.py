@@ -120,6 +120,9 @@ def main():
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
     if args.backend:
+        # Keras reads KERAS_BACKEND when first imported (run_backend imports it):
+        # without this, `--backend torch` would silently time keras.json's backend.
+        os.environ["KERAS_BACKEND"] = args.backend
         run_backend(args.repeats)
         return
     for backend in BACKENDS:
