@@ -78,6 +78,42 @@ def test_device_memory_stays_flat_while_batches_grow_4x(jit_compile):
         assert _captured_bytes_on_device(batch) == 0  # all landed when the call ended
 
 
+def test_statistics_only_steps_land_without_making_fit_wait_for_each_step():
+    # Steps long enough (large matmuls) that the last one is still running when
+    # fit's loop dispatches the next: a stats-only capture lets its packed rows
+    # wait (JAX), where landing each one a step late made the loop wait for the
+    # device at every step. Full tensors still land one step late (the test above).
+    keras.utils.set_random_seed(0)
+    model = cs.Sequential([keras.Input((512,)), keras.layers.Dense(512, name="wide"),
+                           *[keras.layers.Dense(512) for _ in range(5)],
+                           keras.layers.Dense(1, name="out")], name="m")
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+    batch, steps = 512, 8
+    x = rng.normal(size=(steps * batch, 512)).astype("float32")
+    y = rng.normal(size=(len(x), 1)).astype("float32")
+    held = []
+
+    class Probe(keras.callbacks.Callback):  # batch begin: Keras's loop stays asynchronous
+        def on_train_batch_begin(self, batch_index, logs=None):
+            landing = stats.calls[-1]._landing if stats.calls else None
+            held.append(landing.held() if landing is not None else 0)
+
+    model.fit(x, y, batch_size=batch, verbose=0)  # compiled before the capture
+    with cs.capture(model, "*/wide", reduce=("mean", "std")) as stats:
+        model.fit(x, y, batch_size=batch, shuffle=False, verbose=0, callbacks=[Probe()])
+    assert len(held) == steps
+    if BACKEND == "jax":  # one packed array a step; some steps' rows waited together
+        assert 2 <= max(held) <= _sinks.STATS_AHEAD
+    else:  # TF and torch on the CPU land each step at once
+        assert max(held) == 0
+    wide = _per_batch(keras.Model(model.inputs, model.get_layer("wide").output)
+                      .predict(x, batch_size=batch, verbose=0), batch)
+    np.testing.assert_allclose(stats["m/wide:output/mean"],
+                               [b.astype(np.float64).mean() for b in wide], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(stats["m/wide:output/std"],
+                               [b.astype(np.float64).std() for b in wide], rtol=1e-5)
+
+
 @pytest.mark.parametrize("jit_compile", JIT)
 def test_reading_during_a_run_gives_the_rows_so_far_as_a_view(jit_compile):
     model, batch = _model(jit_compile), 4

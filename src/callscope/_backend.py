@@ -359,6 +359,22 @@ def _jax_on_host() -> bool:
     return all(device.platform == "cpu" for device in jax.devices())
 
 
+def is_ready(handles: list) -> bool:
+    """True where `to_host` would not wait for the device: JAX's `is_ready`, a
+    torch CUDA copy's event. A handle that cannot tell (TF) counts as not ready."""
+    for handle in handles:
+        if isinstance(handle, tuple):  # torch on CUDA: (pinned host tensor, event)
+            ready = handle[1].query()
+        elif isinstance(handle, np.ndarray):
+            ready = True
+        else:
+            is_ready = getattr(handle, "is_ready", None)
+            ready = is_ready is not None and is_ready()
+        if not ready:
+            return False
+    return True
+
+
 def to_host(handles: list) -> list:
     """The host arrays of `start_host_copy`'s handles (waits for the copies). On
     JAX, one `device_get` for all of them; arrays that span processes are left as
@@ -407,7 +423,7 @@ def owned(array: np.ndarray) -> np.ndarray:
 
 def copy_lags(leaves: list) -> bool:
     """True where reading a step's values at once would wait for the device: they
-    then land one step later, so the device runs ahead (JAX's dispatch is always
+    then land later (`_sinks.Landing`), so the device runs ahead (JAX's dispatch is always
     asynchronous; TF and torch only off the CPU). Several JAX processes land at
     once: gathering is a collective that every process must make in step."""
     if BACKEND == "jax":

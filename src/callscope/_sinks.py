@@ -1,9 +1,11 @@
 """Sinks: where one call's captured values land on the host, and how they read back.
 
 Each step's captured values start their copy to the host as soon as the step
-returns (`Landing`, one per run), and land one step later where waiting for them
-at once would stall the device (JAX, or a GPU): the device runs ahead, and holds
-at most one step of a capture whatever the number of batches. They land in a
+returns (`Landing`, one per run), and land later where waiting for them at once
+would stall the device (JAX, or a GPU): the device runs ahead. Full tensors land
+one step later, so the device holds at most one step of them whatever the number
+of batches; a step of statistics only (one packed row) lands once its copy is
+done, with at most `STATS_AHEAD` rows waiting. They land in a
 `Call`, what one call of a model recorded for one capture:
 
 - full tensors in `HostBuffer`s, one array per key that doubles when full, so
@@ -21,6 +23,7 @@ methods never merge.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import difflib
 import functools
@@ -273,6 +276,9 @@ class StepRows:
 # --------------------------------------------------------------------------
 # One run's values on their way to the host
 # --------------------------------------------------------------------------
+STATS_AHEAD = 64  # steps of statistics that may wait on the device (a row each)
+
+
 class Landing:
     """One run's path to the host (see the module docstring): `put` each step's
     captured values as the step returns, `end` when the run ends or fails.
@@ -286,7 +292,7 @@ class Landing:
 
     def __init__(self, calls: tuple):
         self.calls = calls
-        self._pending = None  # (kind, structure, handles) of the step still on its way
+        self._pending = collections.deque()  # (kind, structure, handles) of steps on their way
         self._lock = threading.RLock()  # a capture may be read from another thread
         self._writer: Writer | None = None
         self.failure: Exception | None = None
@@ -300,35 +306,50 @@ class Landing:
             return
         with self._lock:
             try:
-                self.land()  # the previous step's values: their copy had a step's time
                 leaves = keras.tree.flatten(values)
-                self._pending = (kind, values, _backend.start_host_copy(leaves))
+                pending = self._pending
+                pending.append((kind, values, _backend.start_host_copy(leaves)))
                 if not _backend.copy_lags(leaves):
                     self.land()
+                    return
+                # Full tensors land one step late: the device holds one step of
+                # them. A step of statistics only is one packed row of a few
+                # floats: up to `STATS_AHEAD` of them wait, so the host does not
+                # wait for the device at each step, as Keras's own loop does not
+                # (that wait cost JAX's fit 4% with statistics, 7% with
+                # gradient statistics, on a CPU: `bench/capture.py`).
+                ahead = STATS_AHEAD if all(name.startswith(_reduce.PACKED)
+                                           for name in values) else 1
+                while len(pending) > ahead or (len(pending) > 1
+                                               and _backend.is_ready(pending[0][2])):
+                    self._land_first()
             except Exception as failure:
-                self.failure, self._pending = failure, None
+                self.failure = failure
+                self._pending.clear()
 
     def land(self) -> None:
-        """The pending step's values into the calls' buffers (waits for them)."""
+        """Every pending step's values into the calls' buffers (waits for them)."""
         with self._lock:
-            pending, self._pending = self._pending, None
-            if pending is None:
-                return
-            kind, structure, handles = pending
-            values = keras.tree.pack_sequence_as(structure, _backend.to_host(handles))
-            rows = self._step_rows
-            if rows.on:
-                values = {name: value for name, value in values.items()
-                          if not (name.startswith(_reduce.PACKED)
-                                  and rows.add(kind, name, value))}
-            for name, value in _reduce.unpack(values, _backend.gathered).items():
-                index, key = name.split("|", 1)
-                self.calls[int(index)].add(kind, key, value)
+            while self._pending:
+                self._land_first()
+
+    def _land_first(self) -> None:
+        kind, structure, handles = self._pending.popleft()
+        values = keras.tree.pack_sequence_as(structure, _backend.to_host(handles))
+        rows = self._step_rows
+        if rows.on:
+            values = {name: value for name, value in values.items()
+                      if not (name.startswith(_reduce.PACKED)
+                              and rows.add(kind, name, value))}
+        for name, value in _reduce.unpack(values, _backend.gathered).items():
+            index, key = name.split("|", 1)
+            self.calls[int(index)].add(kind, key, value)
 
     def held(self) -> int:
-        """How many arrays are still on their way (on the device): at most one step's."""
-        pending = self._pending
-        return 0 if pending is None else len(pending[2])
+        """How many arrays are still on their way (on the device): at most one
+        step's full tensors, or `STATS_AHEAD` steps' packed statistics."""
+        with self._lock:
+            return sum(len(handles) for _, _, handles in self._pending)
 
     def flush(self) -> None:
         """Everything so far readable: landed, and written to disk."""
