@@ -360,8 +360,9 @@ def _jax_on_host() -> bool:
 
 
 def is_ready(handles: list) -> bool:
-    """True where `to_host` would not wait for the device: JAX's `is_ready`, a
-    torch CUDA copy's event. A handle that cannot tell (TF) counts as not ready."""
+    """True where the device is done with every handle's value (JAX's `is_ready`,
+    a torch CUDA copy's event), so that `to_host` waits for a copy at most. A
+    handle that cannot tell (TF) counts as not ready."""
     for handle in handles:
         if isinstance(handle, tuple):  # torch on CUDA: (pinned host tensor, event)
             ready = handle[1].query()

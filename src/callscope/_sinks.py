@@ -4,8 +4,9 @@ Each step's captured values start their copy to the host as soon as the step
 returns (`Landing`, one per run), and land later where waiting for them at once
 would stall the device (JAX, or a GPU): the device runs ahead. Full tensors land
 one step later, so the device holds at most one step of them whatever the number
-of batches; a step of statistics only (one packed row) lands once its copy is
-done, with at most `STATS_AHEAD` rows waiting. They land in a
+of batches; a step of statistics only (one packed row) lands once the device
+is done with it (JAX's `is_ready`, a torch CUDA copy's event; TF on a GPU cannot
+tell), with at most `STATS_AHEAD` rows waiting. They land in a
 `Call`, what one call of a model recorded for one capture:
 
 - full tensors in `HostBuffer`s, one array per key that doubles when full, so
@@ -287,12 +288,14 @@ class Landing:
     the JAX loop's state (its weights are donated to each step). A failure (the
     writer's, or a streamed key that changed shape) stops the sinks and is kept
     in `failure`; the run raises it before its next step (`Run.stop_if_failed`),
-    or `end` does if there is none.
+    or `end` does if there is none. (A step of statistics may land up to
+    `STATS_AHEAD` steps after it ran, so its failure surfaces as late.)
     """
 
     def __init__(self, calls: tuple):
         self.calls = calls
-        self._pending = collections.deque()  # (kind, structure, handles) of steps on their way
+        # (kind, structure, handles, statistics only) of the steps on their way
+        self._pending = collections.deque()
         self._lock = threading.RLock()  # a capture may be read from another thread
         self._writer: Writer | None = None
         self.failure: Exception | None = None
@@ -307,9 +310,13 @@ class Landing:
         with self._lock:
             try:
                 leaves = keras.tree.flatten(values)
+                stats_only = all(name.startswith(_reduce.PACKED) for name in values)
                 pending = self._pending
-                pending.append((kind, values, _backend.start_host_copy(leaves)))
+                pending.append((kind, values, _backend.start_host_copy(leaves), stats_only))
                 if not _backend.copy_lags(leaves):
+                    # At once: several JAX processes must land every step in
+                    # step with each other (gathering is a collective), which
+                    # landing by readiness would not keep.
                     self.land()
                     return
                 # Full tensors land one step late: the device holds one step of
@@ -317,13 +324,13 @@ class Landing:
                 # floats: up to `STATS_AHEAD` of them wait, so the host does not
                 # wait for the device at each step, as Keras's own loop does not
                 # (that wait cost JAX's fit 4% with statistics, 7% with
-                # gradient statistics, on a CPU: `bench/capture.py`).
-                ahead = STATS_AHEAD if all(name.startswith(_reduce.PACKED)
-                                           for name in values) else 1
-                while len(pending) > ahead or (len(pending) > 1
-                                               and _backend.is_ready(pending[0][2])):
+                # gradient statistics, on a CPU: `bench/capture.py`). A step of
+                # full tensors waits behind no other: it is the newest or first.
+                bound = STATS_AHEAD if stats_only else 1
+                while len(pending) > 1 and (len(pending) > bound or not pending[0][3]
+                                            or _backend.is_ready(pending[0][2])):
                     self._land_first()
-            except Exception as failure:
+            except Exception as failure:  # nothing more lands (see `_land_first`)
                 self.failure = failure
                 self._pending.clear()
 
@@ -334,22 +341,31 @@ class Landing:
                 self._land_first()
 
     def _land_first(self) -> None:
-        kind, structure, handles = self._pending.popleft()
-        values = keras.tree.pack_sequence_as(structure, _backend.to_host(handles))
-        rows = self._step_rows
-        if rows.on:
-            values = {name: value for name, value in values.items()
-                      if not (name.startswith(_reduce.PACKED)
-                              and rows.add(kind, name, value))}
-        for name, value in _reduce.unpack(values, _backend.gathered).items():
-            index, key = name.split("|", 1)
-            self.calls[int(index)].add(kind, key, value)
+        """The first pending step into the calls' buffers. It leaves the queue once
+        its copy is read (an interrupt while waiting keeps it, so no step after
+        it lands before it). After a failure nothing more lands: the run raises,
+        and a capture with a step missing in the middle would read as whole."""
+        kind, structure, handles, _ = self._pending[0]
+        try:
+            values = keras.tree.pack_sequence_as(structure, _backend.to_host(handles))
+            self._pending.popleft()
+            rows = self._step_rows
+            if rows.on:
+                values = {name: value for name, value in values.items()
+                          if not (name.startswith(_reduce.PACKED)
+                                  and rows.add(kind, name, value))}
+            for name, value in _reduce.unpack(values, _backend.gathered).items():
+                index, key = name.split("|", 1)
+                self.calls[int(index)].add(kind, key, value)
+        except Exception:
+            self._pending.clear()
+            raise
 
     def held(self) -> int:
         """How many arrays are still on their way (on the device): at most one
-        step's full tensors, or `STATS_AHEAD` steps' packed statistics."""
+        step's full tensors beside up to `STATS_AHEAD` steps' packed statistics."""
         with self._lock:
-            return sum(len(handles) for _, _, handles in self._pending)
+            return sum(len(entry[2]) for entry in self._pending)
 
     def flush(self) -> None:
         """Everything so far readable: landed, and written to disk."""
