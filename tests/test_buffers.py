@@ -78,6 +78,20 @@ def test_device_memory_stays_flat_while_batches_grow_4x(jit_compile):
         assert _captured_bytes_on_device(batch) == 0  # all landed when the call ended
 
 
+class _HeldAtEachTrainBatch(keras.callbacks.Callback):
+    """Records how many arrays `capture`'s run still has on their way, as each
+    train batch begins (batch begin, not end: Keras's loop stays asynchronous)."""
+
+    def __init__(self, capture):
+        super().__init__()
+        self.capture, self.held = capture, []
+
+    def on_train_batch_begin(self, batch_index, logs=None):
+        calls = self.capture.calls
+        landing = calls[-1]._landing if calls else None
+        self.held.append(landing.held() if landing is not None else 0)
+
+
 def test_statistics_only_steps_land_without_making_fit_wait_for_each_step():
     # Steps long enough (large matmuls) that the last one is still running when
     # fit's loop dispatches the next: a stats-only capture lets its packed rows
@@ -91,16 +105,11 @@ def test_statistics_only_steps_land_without_making_fit_wait_for_each_step():
     batch, steps = 512, 8
     x = rng.normal(size=(steps * batch, 512)).astype("float32")
     y = rng.normal(size=(len(x), 1)).astype("float32")
-    held = []
-
-    class Probe(keras.callbacks.Callback):  # batch begin: Keras's loop stays asynchronous
-        def on_train_batch_begin(self, batch_index, logs=None):
-            landing = stats.calls[-1]._landing if stats.calls else None
-            held.append(landing.held() if landing is not None else 0)
-
     model.fit(x, y, batch_size=batch, verbose=0)  # compiled before the capture
     with cs.capture(model, "*/wide", reduce=("mean", "std")) as stats:
-        model.fit(x, y, batch_size=batch, shuffle=False, verbose=0, callbacks=[Probe()])
+        probe = _HeldAtEachTrainBatch(stats)
+        model.fit(x, y, batch_size=batch, shuffle=False, verbose=0, callbacks=[probe])
+    held = probe.held
     assert len(held) == steps
     if BACKEND == "jax":  # one packed array a step; some steps' rows waited together
         assert max(held) <= _sinks.STATS_AHEAD
@@ -125,15 +134,10 @@ def test_statistics_rows_wait_no_more_than_their_bound_and_land_in_order(monkeyp
     steps = _sinks.STATS_AHEAD + 6
     x = rng.normal(size=(steps * batch, 8)).astype("float32")
     y = rng.normal(size=(len(x), 1)).astype("float32")
-    held = []
-
-    class Probe(keras.callbacks.Callback):
-        def on_train_batch_begin(self, batch_index, logs=None):
-            landing = stats.calls[-1]._landing if stats.calls else None
-            held.append(landing.held() if landing is not None else 0)
-
     with cs.capture(model, "*/wide", reduce="max") as stats:
-        model.fit(x, y, batch_size=batch, shuffle=False, verbose=0, callbacks=[Probe()])
+        probe = _HeldAtEachTrainBatch(stats)
+        model.fit(x, y, batch_size=batch, shuffle=False, verbose=0, callbacks=[probe])
+    held = probe.held
     if BACKEND == "jax":
         assert held[:_sinks.STATS_AHEAD + 1] == list(range(_sinks.STATS_AHEAD + 1))
         assert max(held) == _sinks.STATS_AHEAD
