@@ -328,26 +328,41 @@ def running(run):
     return opened(_RUNS, run)
 
 
-@contextlib.contextmanager
-def steps_of(model) -> Iterator[None]:
+class steps_of:
     """Marks that `model`'s made function is running (its steps belong to the run),
-    and pins the scopes for its length (`ScopeVar`)."""
-    names = ("on", "given", "joins", *(var.name for var in _VARS))
-    outer = {name: getattr(_PINNED, name) for name in names}
-    values = {var.name: var.get() for var in _VARS}
-    values[_STEPPING.name] = (*values[_STEPPING.name], model)
-    # The caller's set values, for `sealed`: read here, outside the compiled
-    # step (a value not None is set).
-    given = {n: v for n, v in values[_FRAME.name].values.items() if v is not None}
-    joins = []
-    for name, value in {**values, "given": given, "joins": joins, "on": True}.items():
-        setattr(_PINNED, name, value)
-    try:
-        yield
-    finally:
-        for name, value in outer.items():
-            setattr(_PINNED, name, value)
-        for later, items in joins:
+    and pins the scopes for its length (`ScopeVar`).
+
+    It runs around every step, so it swaps the thread's pinned values in two dict
+    updates (the thread-local's own `__dict__`, which holds exactly the names that
+    `_Pinned.__init__` set) rather than an attribute at a time: about 5 µs a step
+    where 16 `setattr`s and their dicts took 3x that (a predict of 32 steps of
+    4 ms spent ~2 ms more of the main thread's CPU than Keras's own loop)."""
+
+    __slots__ = ("_model", "_outer", "_joins")
+
+    def __init__(self, model):
+        self._model = model
+
+    def __enter__(self) -> None:
+        pinned = _PINNED.__dict__
+        self._outer = outer = pinned.copy()
+        if outer["on"]:  # nested: the pinned values are the scopes
+            frame_, stepping_ = outer[_FRAME.name], outer[_STEPPING.name]
+            values = {var.name: outer[var.name] for var in _VARS}
+        else:
+            values = {var.name: var.var.get() for var in _VARS}
+            frame_, stepping_ = values[_FRAME.name], values[_STEPPING.name]
+        values[_STEPPING.name] = (*stepping_, self._model)
+        # The caller's set values, for `sealed`: read here, outside the compiled
+        # step (a value not None is set).
+        values["given"] = {n: v for n, v in frame_.values.items() if v is not None}
+        values["joins"] = self._joins = []
+        values["on"] = True
+        pinned.update(values)
+
+    def __exit__(self, *exc) -> None:
+        _PINNED.__dict__.update(self._outer)
+        for later, items in self._joins:
             later.target.update(items)
 
 
