@@ -19,6 +19,9 @@ from callscope import _reduce
 JIT = [False, "auto"]
 BINS, RANGE = 4, (-1.0, 1.0)
 ALL = _reduce.STATS
+# `rms` without `std` takes its own partial, the root mean square (`qm`), decided
+# by the sum of squares where no mean is needed; with `mean`, by the sum.
+RMS_SETS = [("rms", "absmax"), ("rms", "mean", "frac_zero")]
 FINITE_STATS = ("mean", "std", "rms", "min", "max", "absmax", "frac_zero")
 
 
@@ -198,6 +201,7 @@ def _partials_of(values):
     f = f[np.isfinite(f)]
     mean = f.mean() if f.size else 0.0
     return {"n": f.size, "mean": mean, "m2": ((f - mean) ** 2).sum(),
+            "qm": np.sqrt((f ** 2).mean()) if f.size else 0.0,
             "min": f.min() if f.size else np.inf, "max": f.max() if f.size else -np.inf,
             "absmax": np.abs(f).max() if f.size else -np.inf, "nzero": (f == 0).sum(),
             "nnan": np.isnan(values).sum(), "ninf": np.isinf(values).sum(),
@@ -206,7 +210,7 @@ def _partials_of(values):
 
 def test_merge_skips_rows_with_no_data_even_if_their_mean_is_nan():
     a, b = [0.5, -2.0, 3.0], [1.0, 0.0]
-    empty = dict(_partials_of([]), mean=np.nan, m2=np.nan)  # e.g. an idle replica
+    empty = dict(_partials_of([]), mean=np.nan, m2=np.nan, qm=np.nan)  # e.g. an idle replica
     rows = _rows(_partials_of(a), empty, _partials_of(b), empty)
     with np.errstate(all="raise"), warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -216,6 +220,8 @@ def test_merge_skips_rows_with_no_data_even_if_their_mean_is_nan():
         assert _reduce.finalize(merged, "mean") == pytest.approx(both.mean())
         assert _reduce.finalize(merged, "std") == pytest.approx(both.std())
         assert _reduce.finalize(merged, "rms") == pytest.approx(np.sqrt((both ** 2).mean()))
+        with_std = {k: v for k, v in merged.items() if k != "qm"}  # rms from mean and m2
+        assert _reduce.finalize(with_std, "rms") == pytest.approx(np.sqrt((both ** 2).mean()))
         assert _reduce.finalize(merged, "min") == -2.0
         assert _reduce.finalize(merged, "absmax") == 3.0
         assert _reduce.finalize(merged, "frac_zero") == pytest.approx(0.2)
@@ -283,8 +289,9 @@ def _device_partials(x, stats=ALL):
     return {k: numpy(v) for k, v in parts.items()}
 
 
-def _check_partials(parts, x):
+def _check_partials(parts, x, stats=ALL):
     expected = _partials_of(np.asarray(x, np.float64).ravel())
+    expected = {name: expected[name] for name in _reduce.needs(stats)}
     assert sorted(parts) == sorted(expected)
     for name, value in parts.items():
         assert value.shape == (1, BINS) if name == "hist" else value.shape == (1,), name
@@ -299,6 +306,10 @@ def test_partials_of_a_tensor_with_nan_and_inf():
     _check_partials(parts, x)
     assert parts["n"][0] == 6 and parts["nnan"][0] == 1 and parts["ninf"][0] == 2
     np.testing.assert_array_equal(parts["hist"][0], [1, 0, 1, 4])
+    for stats in RMS_SETS:  # the root mean square of the finite values: sqrt(39.25 / 6)
+        parts = _device_partials(x, stats)
+        _check_partials(parts, x, stats)
+        assert parts["qm"][0] == pytest.approx(np.sqrt(39.25 / 6), rel=1e-6)
 
 
 @pytest.mark.parametrize("x", [np.zeros((0, 3), "float32"), np.full((2, 2), np.nan, "float32"),
@@ -310,6 +321,7 @@ def test_partials_with_no_finite_value_hold_identities(x):
     assert parts["mean"][0] == 0 and parts["m2"][0] == 0  # never NaN
     assert parts["min"][0] == np.inf and parts["max"][0] == -np.inf
     assert parts["absmax"][0] == -np.inf
+    assert _device_partials(x, ("rms",))["qm"][0] == 0  # never NaN
 
 
 def test_partials_hold_only_what_the_statistics_need():
@@ -347,11 +359,13 @@ def _finite_branch_cases():
 
 
 @pytest.mark.skipif(BACKEND == "torch", reason="torch has its own fast path (below)")
+@pytest.mark.parametrize("stats", [ALL, *RMS_SETS], ids=["all", "rms_absmax", "rms_mean"])
 @pytest.mark.parametrize("x", _finite_branch_cases(), ids=FINITE_CASES)
-def test_the_unmasked_branch_gives_what_the_masked_one_gives(x):
-    """A tensor whose sum is finite takes `_finite_partials`; its values must be
-    those of the masked computation, compiled as in a step. The overflow case
-    (finite elements, infinite sum) takes the masked branch."""
+def test_the_unmasked_branch_gives_what_the_masked_one_gives(x, stats):
+    """A tensor whose deciding sum is finite takes `_finite_partials`; its values
+    must be those of the masked computation, compiled as in a step. The overflow
+    cases (finite elements, an infinite sum of values or of squares) take the
+    masked branch, where the root mean square is still right (scaled)."""
     if BACKEND == "jax":
         import jax
 
@@ -361,8 +375,8 @@ def test_the_unmasked_branch_gives_what_the_masked_one_gives(x):
 
         compiled = functools.partial(tf.function, jit_compile=True)
     flat = keras.ops.reshape(keras.ops.convert_to_tensor(x), (-1,))
-    needed = tuple(sorted({p for names in _reduce._NEEDS.values() for p in names}))
-    fast = compiled(lambda t: _reduce.partials(t, ALL, BINS, RANGE))(flat)
+    needed = _reduce.needs(stats)
+    fast = compiled(lambda t: _reduce.partials(t, stats, BINS, RANGE))(flat)
     masked = compiled(lambda t: _reduce._masked_partials(t, needed, BINS, RANGE))(flat)
     assert sorted(fast) == sorted(masked)
     for name in fast:
@@ -370,23 +384,25 @@ def test_the_unmasked_branch_gives_what_the_masked_one_gives(x):
                                    err_msg=name)
     with np.errstate(over="ignore"):
         finite_sum = np.isfinite(x.sum(dtype=np.float32))
-    if finite_sum:
-        _check_partials({k: numpy(v) for k, v in fast.items()}, x)
+    if finite_sum or "mean" not in needed:  # no mean: every partial is right
+        _check_partials({k: numpy(v) for k, v in fast.items()}, x, stats)
 
 
 @pytest.mark.skipif(BACKEND != "torch", reason="the plain-torch fast path")
+@pytest.mark.parametrize("stats", [ALL, *RMS_SETS], ids=["all", "rms_absmax", "rms_mean"])
 @pytest.mark.parametrize("x", _finite_branch_cases(), ids=FINITE_CASES)
-def test_torch_unmasked_partials_match_numpy_and_the_keras_ops_path(x, monkeypatch):
+def test_torch_unmasked_partials_match_numpy_and_the_keras_ops_path(x, stats, monkeypatch):
     """On the CPU, torch works M2 out as the sum of squares less `total * mean`,
     and sums about the mean where that cancels: the offset case (mean 1e4, std 1)
-    would keep almost no correct bits in float32 otherwise."""
-    fast = _device_partials(x)
+    would keep almost no correct bits in float32 otherwise. The root mean square
+    of squares past float32's range is scaled."""
+    fast = _device_partials(x, stats)
     with np.errstate(over="ignore"):
         finite_sum = np.isfinite(x.sum(dtype=np.float32))
-    if finite_sum:
-        _check_partials(fast, x)
+    if finite_sum or "mean" not in _reduce.needs(stats):
+        _check_partials(fast, x, stats)
     monkeypatch.setattr(_reduce, "_TORCH", False)
-    slow = _device_partials(x)
+    slow = _device_partials(x, stats)
     assert sorted(fast) == sorted(slow)
     for name in fast:
         np.testing.assert_allclose(fast[name], slow[name], rtol=1e-6, err_msg=name)
@@ -415,10 +431,11 @@ def test_a_length_unknown_when_traced_may_be_empty_or_not():
                                         "float32"),
                                np.zeros((0, 4), "float32"), np.full((3,), np.nan, "float32")],
                          ids=["mixed", "empty", "all_nan"])
-def test_torch_fast_path_matches_the_keras_ops_path(x, monkeypatch):
-    fast = _device_partials(x)
+@pytest.mark.parametrize("stats", [ALL, *RMS_SETS], ids=["all", "rms_absmax", "rms_mean"])
+def test_torch_fast_path_matches_the_keras_ops_path(x, stats, monkeypatch):
+    fast = _device_partials(x, stats)
     monkeypatch.setattr(_reduce, "_TORCH", False)
-    slow = _device_partials(x)
+    slow = _device_partials(x, stats)
     assert sorted(fast) == sorted(slow)
     for name in fast:
         np.testing.assert_allclose(fast[name], slow[name], rtol=1e-6, err_msg=name)

@@ -2,7 +2,9 @@
 
 A compiled step cannot hand back a running aggregate, so each step returns small
 *partials* per captured tensor: element count, mean, centred sum of squares (M2),
-min, max, absmax, zero count, NaN and inf counts and histogram counts, each with a
+root mean square (for `rms` without `std`: one pass, where it would take the
+mean's and M2's three), min, max, absmax, zero count, NaN and inf counts and
+histogram counts, each with a
 leading axis of 1 so that Keras can concatenate them across steps. The host merges
 partials with Chan's parallel formula in float64, which is exact up to rounding
 (never an average of per-batch means). Statistics are computed in float32 whatever
@@ -33,12 +35,13 @@ from keras import ops
 _TORCH = keras.backend.backend() == "torch"
 STATS = ("mean", "std", "min", "max", "absmax", "rms", "frac_zero", "hist",
          "nan_count", "inf_count")
-# Partials: n (finite elements), mean and m2 (over finite elements), min, max and
-# absmax (identities +inf, -inf, -inf when n == 0), nzero, nnan, ninf, hist.
+# Partials: n (finite elements), mean, m2 and qm (root mean square) over finite
+# elements, min, max and absmax (identities +inf, -inf, -inf when n == 0), nzero,
+# nnan, ninf, hist.
 _NEEDS = {
     "mean": ("n", "mean"),
     "std": ("n", "mean", "m2"),
-    "rms": ("n", "mean", "m2"),
+    "rms": ("n", "qm"),  # from mean and m2 instead where those are computed (`needs`)
     "min": ("n", "min"),
     "max": ("n", "max"),
     "absmax": ("n", "absmax"),
@@ -47,8 +50,22 @@ _NEEDS = {
     "nan_count": ("nnan",),
     "inf_count": ("ninf",),
 }
-_FINITE_ONLY = ("n", "mean", "m2", "min", "max", "absmax", "nzero", "hist")
-_SCALARS = ("n", "mean", "m2", "min", "max", "absmax", "nzero", "nnan", "ninf")
+_FINITE_ONLY = ("n", "mean", "m2", "qm", "min", "max", "absmax", "nzero", "hist")
+_SCALARS = ("n", "mean", "m2", "qm", "min", "max", "absmax", "nzero", "nnan", "ninf")
+
+
+def needs(stats) -> tuple:
+    """The partials `stats` take, sorted. `rms` takes `qm`, one pass of squares,
+    unless `mean` and `m2` are computed anyway (`std`): then it is worked out from
+    them on the host, as `finalize` does, at no extra pass.
+
+    >>> needs(("rms", "absmax")), needs(("rms", "std"))
+    (('absmax', 'n', 'qm'), ('m2', 'mean', 'n'))
+    """
+    needed = {p for s in stats for p in _NEEDS[s]}
+    if "m2" in needed:
+        needed.discard("qm")
+    return tuple(sorted(needed))
 
 
 def check_stats(reduce) -> tuple[str, ...] | None:
@@ -88,7 +105,7 @@ def partials(value, stats, bins=32, hist_range=None):
         return ops.reshape(ops.cast(value, "float32"), (-1,))
 
     x = flat()
-    needed = tuple(sorted({p for s in stats for p in _NEEDS[s]}))
+    needed = needs(stats)
     if x.shape[0] == 0:  # known to be empty (JAX's min and max reject it unmasked)
         out = _masked_partials(x, needed, bins, hist_range)
     else:
@@ -99,9 +116,18 @@ def partials(value, stats, bins=32, hist_range=None):
         # the tensor itself: given the flat `x`, XLA on a CPU computed the
         # layer's output twice, once in its own shape and once flat for the
         # `cond` (one more pass and one more buffer per point, 5-10% of a step).
-        total = ops.sum(x)
-        finite = _finite_partials(x, total, needed, bins, hist_range)
-        out = ops.cond(ops.isfinite(total), lambda: dict(finite),
+        # A sum that decides: of the values, or of their squares where `qm` needs
+        # those and no mean does (a finite sum of squares also means no square
+        # overflowed). Both, where both are needed.
+        sums = {}
+        if "qm" in needed:
+            sums["squares"] = ops.sum(ops.square(x))
+        if "mean" in needed or not sums:
+            sums["total"] = ops.sum(x)
+        finite = _finite_partials(x, sums, needed, bins, hist_range)
+        decides = [ops.isfinite(v) for v in sums.values()]
+        out = ops.cond(decides[0] if len(decides) == 1 else ops.logical_and(*decides),
+                       lambda: dict(finite),
                        lambda: _masked_partials(flat(), needed, bins, hist_range))
     return {k: ops.expand_dims(v, 0) for k, v in out.items()}
 
@@ -121,6 +147,12 @@ def _masked_partials(x, needed, bins, hist_range):
         if "m2" in needed:
             mean, out["m2"] = _centred(ops.where(finite, xf - mean, 0.0), mean, n)
         out["mean"] = mean
+    if "qm" in needed:
+        # Scaled by the largest |value|, so that squares past float32's range
+        # (|x| > 1.8e19, also where the sum of squares overflowed) still give it.
+        largest = ops.max(ops.abs(xf), initial=0.0)
+        scale = ops.where(largest > 0, largest, 1.0)
+        out["qm"] = scale * ops.sqrt(ops.sum(ops.square(xf / scale)) / ops.maximum(n, 1.0))
     inf = float("inf")
     if "min" in needed:
         out["min"] = ops.min(ops.where(finite, x, inf), initial=inf)
@@ -152,17 +184,21 @@ def _centred(deviations, mean, n):
     return mean + drift / n, ops.maximum(m2, 0.0)
 
 
-def _finite_partials(x, total, needed, bins, hist_range):
-    """`_masked_partials` of a tensor whose elements are all finite: the same values
-    (the masks there select everything), without the masks. A TF tensor whose
+def _finite_partials(x, sums, needed, bins, hist_range):
+    """`_masked_partials` of a tensor whose elements are all finite (and whose
+    squares are, where `sums` holds them): the same values (the masks there
+    select everything), without the masks. `sums` holds the sum of the values
+    (`total`) or of their squares (`squares`) that decided. A TF tensor whose
     length is unknown when traced may be empty here: its sum is 0, and TF's min
     and max of nothing are the identities that `_masked_partials` gives."""
     size = ops.cast(ops.shape(x)[0], "float32")
     out = {}
     if "n" in needed:
         out["n"] = size
+    if "qm" in needed:
+        out["qm"] = ops.sqrt(sums["squares"] / ops.maximum(size, 1.0))
     if "mean" in needed or "m2" in needed:
-        mean = total / ops.maximum(size, 1.0)
+        mean = sums["total"] / ops.maximum(size, 1.0)
         if "m2" in needed:
             mean, out["m2"] = _centred(x - mean, mean, size)
         out["mean"] = mean
@@ -311,6 +347,9 @@ def merge(rows: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
                 if total > 0:
                     m2 += np.where(has, n * (means - mean) ** 2, 0.0).sum()
                 merged["m2"] = m2
+        if "qm" in rows:  # the mean of squares, weighted by n; its root
+            qm = np.where(has, rows["qm"].astype(np.float64), 0.0)
+            merged["qm"] = np.sqrt((n * qm ** 2).sum() / total) if total > 0 else np.float64(0.0)
     for name in ("nzero", "nnan", "ninf"):
         if name in rows:
             merged[name] = rows[name].astype(np.float64).sum()
@@ -350,7 +389,9 @@ def finalize(part: Mapping[str, np.ndarray], stat: str) -> np.ndarray:
             value = np.asarray(part["mean"], np.float64)
         elif stat == "std":
             value = np.sqrt(np.asarray(part["m2"], np.float64) / n)
-        elif stat == "rms":
+        elif stat == "rms" and "qm" in part:
+            value = np.asarray(part["qm"], np.float64)
+        elif stat == "rms":  # with `std` (see `needs`)
             value = np.sqrt(np.asarray(part["m2"], np.float64) / n
                             + np.asarray(part["mean"], np.float64) ** 2)
         elif stat == "frac_zero":
@@ -391,7 +432,7 @@ def _torch_partials(value, stats, bins, hist_range):
     [1]-shaped views. Keep in step with `partials`."""
     import torch
 
-    needed = {p for s in stats for p in _NEEDS[s]}
+    needed = set(needs(stats))
     inf = float("inf")
     f32 = torch.float32
     with torch.no_grad():  # no graph: the partials are never differentiated
@@ -400,13 +441,17 @@ def _torch_partials(value, stats, bins, hist_range):
             x = x.float()
         size = x.numel()
         if size and x.device.type == "cpu" and not torch.compiler.is_compiling():
-            total = x.sum().item()
             # A finite sum means every element is finite (a non-finite one, or an
-            # overflow, makes it inf or NaN). Asking costs nothing on the CPU (on a
+            # overflow, makes it inf or NaN): of the values, or of their squares
+            # where only `qm` needs a sum. Asking costs nothing on the CPU (on a
             # GPU it would wait for the device, and under torch.compile it would
             # break the graph: the masked path runs there).
-            if math.isfinite(total):
-                return _torch_finite_partials(x, total, needed, bins, hist_range)
+            if "qm" in needed and "mean" not in needed:
+                sums = {"squares": torch.dot(x, x).item()}
+            else:
+                sums = {"total": x.sum().item()}
+            if math.isfinite(next(iter(sums.values()))):
+                return _torch_finite_partials(x, sums, needed, bins, hist_range)
         names, scalars, out = [], [], {}
         bad = (x - x) != 0  # NaN - NaN and inf - inf are NaN; NaN != 0
         if needed.intersection(_FINITE_ONLY + ("ninf",)):
@@ -427,6 +472,12 @@ def _torch_partials(value, stats, bins, hist_range):
                 scalars[-1] = mean + shift
                 m2 = (torch.dot(centred, centred) - drift * shift).clamp_(min=0.0)
                 names.append("m2"), scalars.append(m2)
+        if "qm" in needed:  # scaled, as in `_masked_partials`
+            largest = xf.abs().max() if size else x.new_tensor(0.0)
+            scaled = xf / torch.where(largest > 0, largest, 1.0)
+            qm = torch.where(largest > 0, largest, 1.0) * (
+                torch.dot(scaled, scaled) / n.clamp(min=1.0)).sqrt()
+            names.append("qm"), scalars.append(qm)
         # The identities (+inf for min, -inf for max and absmax) where nothing is
         # finite, empty tensors included (torch's min and max reject those).
         for name, fill in (("min", inf), ("max", -inf), ("absmax", -inf)):
@@ -468,9 +519,10 @@ def _torch_nonzero(x):
     return torch.dot(signs, signs)
 
 
-def _torch_finite_partials(x, total, needed, bins, hist_range):
+def _torch_finite_partials(x, sums, needed, bins, hist_range):
     """`_torch_partials` of a flat float32 CPU tensor whose elements are all finite
-    (`total` is their sum, a float): the same values, with no masks. On the CPU a
+    (`sums` holds the float that said so: their sum, `total`, or the sum of their
+    squares, `squares`): the same values, with no masks. On the CPU a
     scalar reads back for free, so the scalar partials are worked out in Python
     (float64) from a few sums and made into one tensor: about half the ops and
     passes of the masked path (0.9 against 1.9 ms a step for 8 points of 256 x
@@ -483,7 +535,18 @@ def _torch_finite_partials(x, total, needed, bins, hist_range):
 
     size = x.numel()
     host = {"n": float(size), "nnan": 0.0, "ninf": 0.0}
+    if "qm" in needed:
+        squares = sums.get("squares")
+        if squares is None:
+            squares = torch.dot(x, x).item()
+        if math.isfinite(squares):
+            host["qm"] = math.sqrt(squares / size)
+        else:  # squares past float32's range: scaled by the largest |value|
+            largest = x.abs().max().item()
+            scaled = x / largest
+            host["qm"] = largest * math.sqrt(torch.dot(scaled, scaled).item() / size)
     if "mean" in needed or "m2" in needed:
+        total = sums["total"]
         host["mean"] = mean = total / size
         if "m2" in needed:
             squares = torch.dot(x, x).item()
