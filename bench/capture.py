@@ -163,7 +163,7 @@ def run_backend(repeats, only=()):
 
         def constant_partials(value, stats, bins=32, hist_range=None):
             one = keras.ops.ones((1,), "float32")
-            return {p: one for s in stats for p in _reduce._NEEDS[s]}
+            return {p: one for p in _reduce.needs(stats)}
 
         _reduce.partials = constant_partials
         try:

@@ -116,6 +116,26 @@ def test_std_is_exact_where_the_mean_rounds(jit_compile, with_nan):
 
 
 @pytest.mark.parametrize("jit_compile", JIT)
+@pytest.mark.parametrize("stats", [("rms",), ("rms", "absmax"), ("rms", "mean")],
+                         ids=["rms", "rms_absmax", "rms_mean"])
+def test_rms_without_std_is_right_where_squares_leave_float32s_range(jit_compile, stats):
+    """Vanishing gradients: the squares of values under 1e-19 fall below float32's
+    normal range (XLA on a CPU flushes them to 0), and read an rms of 0 unscaled;
+    those of values over 1.8e19 overflow. Three steps merged (predict)."""
+    model = _ident()
+    model.compile(jit_compile=jit_compile)
+    rng = np.random.default_rng(4)
+    for x in (np.full((6, 4), 1e-19, "float32"), np.full((6, 4), 3e-21, "float32"),
+              (1e-20 * rng.normal(size=(6, 4))).astype("float32"),
+              (1e20 * rng.normal(size=(6, 4))).astype("float32"),
+              np.zeros((6, 4), "float32")):
+        with cs.capture(model, "m/ident", reduce=stats) as cap:
+            model.predict(x, batch_size=2, verbose=0)
+        expected = np.sqrt((x.astype(np.float64) ** 2).mean())
+        assert cap["m/ident:output/rms"] == pytest.approx(expected, rel=1e-5, abs=0)
+
+
+@pytest.mark.parametrize("jit_compile", JIT)
 def test_values_outside_the_range_still_count_in_the_edge_bins(jit_compile):
     model = _ident()
     model.compile(jit_compile=jit_compile)

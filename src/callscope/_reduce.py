@@ -117,14 +117,20 @@ def partials(value, stats, bins=32, hist_range=None):
         # layer's output twice, once in its own shape and once flat for the
         # `cond` (one more pass and one more buffer per point, 5-10% of a step).
         # A sum that decides: of the values, or of their squares where `qm` needs
-        # those and no mean does (a finite sum of squares also means no square
-        # overflowed). Both, where both are needed.
-        sums = {}
+        # those and no mean does; both where both are needed. The squares are of
+        # the values over the largest |value| (the same pass as `absmax`'s, which
+        # XLA computes once), each at most 1: they never overflow, and do not
+        # underflow either (XLA on a CPU flushes squares below 1.2e-38 to 0, so
+        # values under 1e-19, vanishing gradients, read an rms of 0 unscaled).
+        # A non-finite value makes them NaN.
+        sums, scale = {}, None
         if "qm" in needed:
-            sums["squares"] = ops.sum(ops.square(x))
+            largest = ops.max(ops.abs(x))
+            scale = ops.where(largest > 0, largest, 1.0)
+            sums["squares"] = ops.sum(ops.square(x / scale))  # (1 / 3e38 would flush)
         if "mean" in needed or not sums:
             sums["total"] = ops.sum(x)
-        finite = _finite_partials(x, sums, needed, bins, hist_range)
+        finite = _finite_partials(x, sums, needed, bins, hist_range, scale)
         decides = [ops.isfinite(v) for v in sums.values()]
         out = ops.cond(decides[0] if len(decides) == 1 else ops.logical_and(*decides),
                        lambda: dict(finite),
@@ -184,11 +190,11 @@ def _centred(deviations, mean, n):
     return mean + drift / n, ops.maximum(m2, 0.0)
 
 
-def _finite_partials(x, sums, needed, bins, hist_range):
-    """`_masked_partials` of a tensor whose elements are all finite (and whose
-    squares are, where `sums` holds them): the same values (the masks there
-    select everything), without the masks. `sums` holds the sum of the values
-    (`total`) or of their squares (`squares`) that decided. A TF tensor whose
+def _finite_partials(x, sums, needed, bins, hist_range, scale=None):
+    """`_masked_partials` of a tensor whose elements are all finite: the same
+    values (the masks there select everything), without the masks. `sums` holds
+    the sums that decided: of the values (`total`), and of their squares over
+    `scale`**2 (`squares`, where `qm` is needed). A TF tensor whose
     length is unknown when traced may be empty here: its sum is 0, and TF's min
     and max of nothing are the identities that `_masked_partials` gives."""
     size = ops.cast(ops.shape(x)[0], "float32")
@@ -196,7 +202,7 @@ def _finite_partials(x, sums, needed, bins, hist_range):
     if "n" in needed:
         out["n"] = size
     if "qm" in needed:
-        out["qm"] = ops.sqrt(sums["squares"] / ops.maximum(size, 1.0))
+        out["qm"] = scale * ops.sqrt(sums["squares"] / ops.maximum(size, 1.0))
     if "mean" in needed or "m2" in needed:
         mean = sums["total"] / ops.maximum(size, 1.0)
         if "m2" in needed:
@@ -519,6 +525,11 @@ def _torch_nonzero(x):
     return torch.dot(signs, signs)
 
 
+# Below this mean square, float32 squares lose bits as subnormals (under 1.2e-38):
+# the root mean square is then taken of the values scaled by the largest.
+_SMALLEST_MEAN_SQUARE = 1e-30
+
+
 def _torch_finite_partials(x, sums, needed, bins, hist_range):
     """`_torch_partials` of a flat float32 CPU tensor whose elements are all finite
     (`sums` holds the float that said so: their sum, `total`, or the sum of their
@@ -539,11 +550,11 @@ def _torch_finite_partials(x, sums, needed, bins, hist_range):
         squares = sums.get("squares")
         if squares is None:
             squares = torch.dot(x, x).item()
-        if math.isfinite(squares):
+        if math.isfinite(squares) and squares >= size * _SMALLEST_MEAN_SQUARE:
             host["qm"] = math.sqrt(squares / size)
-        else:  # squares past float32's range: scaled by the largest |value|
+        else:  # squares past float32's range, or near its subnormals: scaled
             largest = x.abs().max().item()
-            scaled = x / largest
+            scaled = x / (largest or 1.0)
             host["qm"] = largest * math.sqrt(torch.dot(scaled, scaled).item() / size)
     if "mean" in needed or "m2" in needed:
         total = sums["total"]

@@ -360,10 +360,11 @@ class steps_of:
         values["on"] = True
         pinned.update(values)
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, kind, *exc) -> None:
         _PINNED.__dict__.update(self._outer)
-        for later, items in self._joins:
-            later.target.update(items)
+        if kind is None:  # a step that raised learned nothing to keep
+            for later, items in self._joins:
+                later.target.update(items)
 
 
 class Later:
