@@ -121,17 +121,23 @@ def test_std_is_exact_where_the_mean_rounds(jit_compile, with_nan):
 def test_rms_without_std_is_right_where_squares_leave_float32s_range(jit_compile, stats):
     """Vanishing gradients: the squares of values under 1e-19 fall below float32's
     normal range (XLA on a CPU flushes them to 0), and read an rms of 0 unscaled;
-    those of values over 1.8e19 overflow. Three steps merged (predict)."""
+    those of values over 1.8e19 overflow, and dividing by a scale over 8.5e37 may
+    multiply by its subnormal reciprocal. Three steps merged (predict), and a
+    direct call (run op by op on JAX)."""
     model = _ident()
     model.compile(jit_compile=jit_compile)
     rng = np.random.default_rng(4)
     for x in (np.full((6, 4), 1e-19, "float32"), np.full((6, 4), 3e-21, "float32"),
               (1e-20 * rng.normal(size=(6, 4))).astype("float32"),
               (1e20 * rng.normal(size=(6, 4))).astype("float32"),
+              np.array([[3e38, 1.0, -3e38, 2.0]] * 6, "float32"),
               np.zeros((6, 4), "float32")):
+        expected = np.sqrt((x.astype(np.float64) ** 2).mean())
         with cs.capture(model, "m/ident", reduce=stats) as cap:
             model.predict(x, batch_size=2, verbose=0)
-        expected = np.sqrt((x.astype(np.float64) ** 2).mean())
+        assert cap["m/ident:output/rms"] == pytest.approx(expected, rel=1e-5, abs=0)
+        with cs.capture(model, "m/ident", reduce=stats) as cap:
+            model(x)
         assert cap["m/ident:output/rms"] == pytest.approx(expected, rel=1e-5, abs=0)
 
 

@@ -125,9 +125,8 @@ def partials(value, stats, bins=32, hist_range=None):
         # A non-finite value makes them NaN.
         sums, scale = {}, None
         if "qm" in needed:
-            largest = ops.max(ops.abs(x))
-            scale = ops.where(largest > 0, largest, 1.0)
-            sums["squares"] = ops.sum(ops.square(x / scale))  # (1 / 3e38 would flush)
+            scale = _scale(ops.max(ops.abs(x)))
+            sums["squares"] = ops.sum(ops.square(x / scale))
         if "mean" in needed or not sums:
             sums["total"] = ops.sum(x)
         finite = _finite_partials(x, sums, needed, bins, hist_range, scale)
@@ -156,8 +155,7 @@ def _masked_partials(x, needed, bins, hist_range):
     if "qm" in needed:
         # Scaled by the largest |value|, so that squares past float32's range
         # (|x| > 1.8e19, also where the sum of squares overflowed) still give it.
-        largest = ops.max(ops.abs(xf), initial=0.0)
-        scale = ops.where(largest > 0, largest, 1.0)
+        scale = _scale(ops.max(ops.abs(xf), initial=0.0))
         out["qm"] = scale * ops.sqrt(ops.sum(ops.square(xf / scale)) / ops.maximum(n, 1.0))
     inf = float("inf")
     if "min" in needed:
@@ -188,6 +186,17 @@ def _centred(deviations, mean, n):
     drift = ops.sum(deviations)
     m2 = ops.sum(ops.square(deviations)) - ops.square(drift) / n
     return mean + drift / n, ops.maximum(m2, 0.0)
+
+
+def _scale(largest):
+    """What to divide values by before squaring them: their largest |value|,
+    kept within 2**-100..2**100. XLA may divide by multiplying by the reciprocal
+    (JAX run op by op does, and TF's XLA folds `x * r * r` into one), and the
+    reciprocal of a number over 8.5e37 is subnormal, which a CPU flushes to 0.
+    Within those bounds it is a normal number; values over 2**100 then square to
+    at most 2**56, those under 2**-100 to at least 2**-52 (float32's smallest
+    normal value over 2**-100): no square overflows, none flushes."""
+    return ops.clip(largest, 2.0**-100, 2.0**100)
 
 
 def _finite_partials(x, sums, needed, bins, hist_range, scale=None):

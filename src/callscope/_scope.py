@@ -360,11 +360,10 @@ class steps_of:
         values["on"] = True
         pinned.update(values)
 
-    def __exit__(self, kind, *exc) -> None:
+    def __exit__(self, *exc) -> None:
         _PINNED.__dict__.update(self._outer)
-        if kind is None:  # a step that raised learned nothing to keep
-            for later, items in self._joins:
-                later.target.update(items)
+        for later, items in self._joins:  # also after a raise: what a trace learned
+            later.target.update(items)
 
 
 class Later:
