@@ -162,9 +162,12 @@ def _assert_same(got, want, name):
 # plain fit compiles 19, as stock Keras's compiled step with its own graph
 # breaks at `backward()` and in the optimizer; a capture's fit 28; a predict
 # with a patch that takes the batch (an array) broke the graph at every layer
-# call before `_record._first_batched`, and compiles 1 frame). The bound
+# call before `_record._first_batched`, and compiles 1 frame). A capture of
+# statistics also compiles, once, the helpers its eager steps call while
+# dynamo's frame hook is on (torch's finite path, `_reduce._torch_finite_partials`,
+# and its caches' first calls): 26-28 frames, 32-35 with `hist`. The bound
 # is far below one frame per layer call (8 blocks: 24 layers per step).
-_FIRST = {"fit": 24, "predict": 2, "fit_capture": 32, "fit_stats": 32, "fit_hist": 32,
+_FIRST = {"fit": 24, "predict": 2, "fit_capture": 32, "fit_stats": 32, "fit_hist": 37,
           "fit_grad": 0, "predict_patch": 2, "predict_array_patch": 2,
           "predict_values_patch": 2, "predict_double": 2, "predict_half": 2,
           "fit_double": 24}
@@ -182,7 +185,7 @@ def test_compiled_scenarios_compile_once_and_equal_eager(dynamo):
             _assert_same(got, eager_calls[name](), f"{name} ({run})")
     assert {name: counts[name, "again"] for name in _FIRST} == dict.fromkeys(_FIRST, 0)
     first = {name: counts[name, "first"] for name in _FIRST}
-    assert all(first[name] <= bound for name, bound in _FIRST.items()), first
+    assert all(first[name] <= bound for name, bound in _FIRST.items()), str(first)
     # Gradients with respect to intermediates run the step uncompiled
     # (`_keras_compat.own_compile_cache`): none compiled, the values right.
     assert first["fit_grad"] == 0

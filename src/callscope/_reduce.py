@@ -24,6 +24,7 @@ and all-zero `hist` counts; partials of such a step merge as "no data".
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from collections.abc import Mapping
@@ -66,6 +67,11 @@ def needs(stats) -> tuple:
     if "m2" in needed:
         needed.discard("qm")
     return tuple(sorted(needed))
+
+
+# torch asks at every point of every step, eagerly (not under torch.compile:
+# dynamo traces through a cache's wrapper, and warns).
+_cached_needs = functools.lru_cache(maxsize=256)(needs)
 
 
 def check_stats(reduce) -> tuple[str, ...] | None:
@@ -273,6 +279,8 @@ def pack(sown: dict) -> dict:
     layout, parts = [], []
     for name, value in stats:
         for partial, part in value.items():
+            # ints (traced dimensions: symbolic under torch.compile, where a
+            # layout of them would be a guard on each step)
             layout.append((name, partial, tuple(int(d) for d in part.shape[1:])))
             parts.append(part)
     layout = tuple(layout)
@@ -287,14 +295,25 @@ def pack(sown: dict) -> dict:
                     entries.append((*entry, start, stop))
                 _by_number.append(tuple(entries))
                 number = _layouts[layout] = len(_by_number) - 1
-    if _TORCH:
+    if _TORCH:  # (inline: see `_torch_partials` on torch.compile's frames)
         import torch
 
         if all(p.shape[0] == 1 for p in parts):  # one row (always, eagerly): flat
-            packed = torch.cat([p if p.dim() == 1 else p.reshape(-1) for p in parts])[None]
+            rows = [p if p.ndim == 1 else p.reshape(-1) for p in parts]
         else:
-            packed = torch.cat([p.reshape(-1, math.prod(entry[2]))
-                                for p, entry in zip(parts, layout)], 1)
+            rows = [p.reshape(-1, math.prod(entry[2])) for p, entry in zip(parts, layout)]
+        # Host arrays are a finite CPU tensor's scalar partials
+        # (`_torch_finite_partials`): where all are, one host concatenation.
+        tensors = [p for p in rows if not isinstance(p, np.ndarray)]
+        if torch.compiler.is_compiling():  # tensors only (no finite path there)
+            packed = torch.cat(rows, -1)
+        elif not tensors:
+            packed = torch.from_numpy(np.concatenate(rows, axis=-1))
+        else:
+            packed = torch.cat([torch.from_numpy(p).to(tensors[0].device)
+                                if isinstance(p, np.ndarray) else p for p in rows], -1)
+        if packed.ndim == 1:
+            packed = packed[None]
     else:
         packed = ops.concatenate([ops.cast(ops.reshape(p, (-1, math.prod(entry[2]))), "float32")
                                   for p, entry in zip(parts, layout)], axis=1)
@@ -444,29 +463,41 @@ def _torch_partials(value, stats, bins, hist_range):
     `isfinite` is four ops), masked fills instead of `where` with a scalar,
     counts summed straight to float32, `ninf` as non-finite minus NaN, M2 as one
     dot product, and the scalar partials stacked into one tensor split into
-    [1]-shaped views. Keep in step with `partials`."""
+    [1]-shaped views. A finite CPU tensor's scalar partials are host arrays
+    instead (`_torch_finite_partials`). Keep in step with `partials`."""
     import torch
 
+    x = None
+    if not torch.compiler.is_compiling() and value.is_cpu and value.numel():
+        # A finite sum means every element is finite (a non-finite one, or an
+        # overflow, makes it inf or NaN): of the values, or of their squares
+        # where only `qm` needs a sum. Asking costs nothing on the CPU (on a
+        # GPU it would wait for the device, and under torch.compile it would
+        # break the graph: the masked path runs there, as it was before this
+        # path, frame for frame: `tests/test_torch_compile.py` counts them).
+        needed = _cached_needs(stats)
+        x = value.reshape(-1)
+        if x.requires_grad:  # no graph: the partials are never differentiated
+            x = x.detach()
+        if x.dtype != torch.float32:
+            x = x.float()
+        if "qm" in needed and "mean" not in needed:
+            squares = torch.dot(x, x).item()
+            if math.isfinite(squares):
+                return _torch_finite_partials(x, None, squares, needed, bins, hist_range)
+        else:
+            total = x.sum().item()
+            if math.isfinite(total):
+                return _torch_finite_partials(x, total, None, needed, bins, hist_range)
     needed = set(needs(stats))
     inf = float("inf")
     f32 = torch.float32
     with torch.no_grad():  # no graph: the partials are never differentiated
-        x = value.reshape(-1)
-        if x.dtype != f32:
-            x = x.float()
+        if x is None:
+            x = value.reshape(-1)
+            if x.dtype != f32:
+                x = x.float()
         size = x.numel()
-        if size and x.device.type == "cpu" and not torch.compiler.is_compiling():
-            # A finite sum means every element is finite (a non-finite one, or an
-            # overflow, makes it inf or NaN): of the values, or of their squares
-            # where only `qm` needs a sum. Asking costs nothing on the CPU (on a
-            # GPU it would wait for the device, and under torch.compile it would
-            # break the graph: the masked path runs there).
-            if "qm" in needed and "mean" not in needed:
-                sums = {"squares": torch.dot(x, x).item()}
-            else:
-                sums = {"total": x.sum().item()}
-            if math.isfinite(next(iter(sums.values()))):
-                return _torch_finite_partials(x, sums, needed, bins, hist_range)
         names, scalars, out = [], [], {}
         bad = (x - x) != 0  # NaN - NaN and inf - inf are NaN; NaN != 0
         if needed.intersection(_FINITE_ONLY + ("ninf",)):
@@ -539,24 +570,25 @@ def _torch_nonzero(x):
 _SMALLEST_MEAN_SQUARE = 1e-30
 
 
-def _torch_finite_partials(x, sums, needed, bins, hist_range):
+def _torch_finite_partials(x, total, squares, needed, bins, hist_range):
     """`_torch_partials` of a flat float32 CPU tensor whose elements are all finite
-    (`sums` holds the float that said so: their sum, `total`, or the sum of their
-    squares, `squares`): the same values, with no masks. On the CPU a
-    scalar reads back for free, so the scalar partials are worked out in Python
-    (float64) from a few sums and made into one tensor: about half the ops and
-    passes of the masked path (0.9 against 1.9 ms a step for 8 points of 256 x
-    512). M2 is the sum of squares less `total * mean`, one pass with no
-    temporary; where that would cancel more than half of the sum of squares (a
-    mean far from 0 against the spread), it loses bits, and where the sum of
-    squares overflows float32, it is lost: M2 is then summed about the mean
-    instead, as in `partials`."""
+    (the float that said so is given: their sum, `total`, or the sum of their
+    squares, `squares`; the other is None): the same values, with no masks. On
+    the CPU a scalar reads back for free, so the scalar partials are worked out
+    in Python (float64) from a few sums: about half the ops and passes of the
+    masked path (0.9 against 1.9 ms a step for 8 points of 256 x 512). They are
+    host arrays (one, in [1]-shaped views), which `pack` joins into the step's
+    one tensor: a tensor per point, and its split, cost more Python than the
+    point's sums did (`bench/capture.py`, statistics in fit). M2 is the sum of
+    squares less `total * mean`, one pass with no temporary; where that would
+    cancel more than half of the sum of squares (a mean far from 0 against the
+    spread), it loses bits, and where the sum of squares overflows float32, it is
+    lost: M2 is then summed about the mean instead, as in `partials`."""
     import torch
 
     size = x.numel()
     host = {"n": float(size), "nnan": 0.0, "ninf": 0.0}
     if "qm" in needed:
-        squares = sums.get("squares")
         if squares is None:
             squares = torch.dot(x, x).item()
         if math.isfinite(squares) and squares >= size * _SMALLEST_MEAN_SQUARE:
@@ -566,7 +598,6 @@ def _torch_finite_partials(x, sums, needed, bins, hist_range):
             scaled = x / (largest or 1.0)
             host["qm"] = largest * math.sqrt(torch.dot(scaled, scaled).item() / size)
     if "mean" in needed or "m2" in needed:
-        total = sums["total"]
         host["mean"] = mean = total / size
         if "m2" in needed:
             squares = torch.dot(x, x).item()
@@ -579,21 +610,27 @@ def _torch_finite_partials(x, sums, needed, bins, hist_range):
                 host["mean"] = mean + drift / size
                 m2 = max(torch.dot(centred, centred).item() - drift * drift / size, 0.0)
             host["m2"] = m2
-    if needed.intersection(("min", "max", "absmax")):
+    if "min" in needed or "max" in needed or "absmax" in needed:
         low, high = (v.item() for v in torch.aminmax(x))
         host.update(min=low, max=high, absmax=max(-low, high))
     if "nzero" in needed:
         host["nzero"] = size - _torch_nonzero(x).item()
-    names = [name for name in _SCALARS if name in needed]
+    names = _scalar_names(needed)
     out = {}
-    if names:  # one tensor for all of them, split into [1]-shaped views
-        scalars = torch.tensor([host[name] for name in names], dtype=torch.float32)
-        out = dict(zip(names, scalars.split(1)))
+    if names:
+        scalars = np.array([host[name] for name in names], np.float32)
+        out = {name: scalars[i:i + 1] for i, name in enumerate(names)}
     if "hist" in needed:
         lo, width = _lo_width(hist_range, bins)
         index = ((x - lo) / width).floor_().clamp_(0, bins - 1).long()
         out["hist"] = torch.bincount(index, minlength=bins)[None, :bins].float()
     return out
+
+
+@functools.lru_cache(maxsize=256)
+def _scalar_names(needed: tuple) -> tuple:
+    """The scalar partials of `needs`'s `needed`, in `_SCALARS`' order."""
+    return tuple(name for name in _SCALARS if name in needed)
 
 
 class Running:
