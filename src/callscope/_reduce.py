@@ -295,7 +295,7 @@ def pack(sown: dict) -> dict:
                     entries.append((*entry, start, stop))
                 _by_number.append(tuple(entries))
                 number = _layouts[layout] = len(_by_number) - 1
-    if _TORCH:  # (inline: see `_torch_partials` on torch.compile's frames)
+    if _TORCH:  # inline, not a helper: each function a compiled step calls is a dynamo frame
         import torch
 
         if all(p.shape[0] == 1 for p in parts):  # one row (always, eagerly): flat
