@@ -123,6 +123,35 @@ def test_the_weight_snapshot_is_taken_only_where_jax_purges(monkeypatch, method)
     assert len(taken) == 1 and (taken[0] > 0) == purges
 
 
+@pytest.mark.skipif(BACKEND != "jax", reason="only JAX's fit, evaluate and predict purge")
+@pytest.mark.parametrize("method", ["fit", "evaluate", "predict"])
+def test_the_weight_snapshot_holds_every_variable_the_loop_purges(monkeypatch, method):
+    # The snapshot takes only the parts of the state a call purges (predict: no
+    # optimizer or metrics variables): every variable found purged inside the
+    # loop must be in it, or a failed call could not put its value back.
+    model = _mlp()
+    model.compile(optimizer="adam", loss="mse", metrics=["mae"])
+    model.fit(X, Y, verbose=0)  # the optimizer's and metrics' variables exist
+    kept, original = [], _keras_compat.snapshot_variable_values
+    monkeypatch.setattr(_keras_compat, "snapshot_variable_values",
+                        lambda m, name: kept.append(original(m, name)) or kept[-1])
+    everything = [*model.variables, *model.optimizer.variables, *model.metrics_variables]
+    purged = []
+
+    class Look(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):  # no self.model: it syncs
+            purged.extend(v for v in everything if v._value is None)
+
+        on_test_batch_end = on_predict_batch_end = on_train_batch_end
+
+    args = (X,) if method == "predict" else (X, Y)
+    getattr(model, method)(*args, callbacks=[Look()], verbose=0)
+    snapshot = {id(v) for v, _ in kept[0][0]}
+    assert purged and all(id(v) in snapshot for v in purged)
+    assert len(snapshot) < len(everything) if method != "fit" else len(snapshot) == len(
+        everything)
+
+
 @pytest.mark.skipif(BACKEND != "torch", reason="torch's own partials (eager ops)")
 @pytest.mark.parametrize("stats,finite,most", [
     (("mean", "std", "frac_zero"), True, 8), (("mean", "std", "frac_zero"), False, 25),

@@ -401,11 +401,14 @@ def snapshot_variable_values(model, method):
     """
     if keras.backend.backend() != "jax" or method not in _PURGING:
         return ()
+    # Only what the call purges: predict's state holds no optimizer or metrics
+    # variables (`_STATE_PARTS`), and walking the metrics is most of the walk.
     variables = list(model.variables)
     optimizer = getattr(model, "optimizer", None)
-    if optimizer is not None:
+    if optimizer is not None and method == "fit":
         variables += list(optimizer.variables)
-    variables += list(getattr(model, "metrics_variables", ()))
+    if method != "predict":
+        variables += list(getattr(model, "metrics_variables", ()))
     return tuple((v, v._value) for v in variables), model.__dict__.get("_jax_state")
 
 

@@ -160,10 +160,10 @@ class HostBuffer:
                 capacity = max(needed, 2 * len(self._data))
             grown = _recycled.empty((capacity, *array.shape[1:]), array.dtype)
             if self._data is not None:
-                grown[:self.rows] = self._data[:self.rows]
+                _backend.copy_rows(grown[:self.rows], self._data[:self.rows])
                 self.grows += 1
             self._data = grown
-        self._data[self.rows:needed] = array
+        _backend.copy_rows(self._data[self.rows:needed], array)
         self.rows = needed
 
     def view(self) -> np.ndarray:
