@@ -17,6 +17,7 @@ within a run makes it narrower than it should be.
     ['holds', 'undecided', 'misses']
 """
 
+import gc
 import math
 import re
 import statistics
@@ -65,13 +66,19 @@ def verdict(interval: tuple, note: str) -> str:
 
 def timed_pairs(ours, reference, repeats: int) -> list:
     """`(ours seconds, reference seconds)` for `repeats` runs of each, alternating
-    which goes first, after one warm-up call of each (compiles both)."""
+    which goes first, after one warm-up call of each (compiles both).
+
+    Each run starts from a collected heap: otherwise a full collection of the
+    heap the backends built (tens of ms) lands in whichever run crosses the
+    collector's threshold, a few percent of noise on either side. What a run
+    allocates is still collected within it, as for a user."""
     ours(), reference()
     pairs = []
     for i in range(repeats):
         order = (ours, reference) if i % 2 == 0 else (reference, ours)
         times = {}
         for fn in order:
+            gc.collect()
             start = time.perf_counter()
             fn()
             times[fn] = time.perf_counter() - start
