@@ -4,7 +4,8 @@ Per backend, on the issue's workload (8 x Dense(512) on 8192 x 256, batch 256),
 prints ratios measured in one run (callscope time / reference time; median of
 interleaved repeats after a warm-up):
 
-1. `sow` in every block, capture off, vs the same model without `sow` (predict, fit);
+1. `sow` in every block, capture off, vs the same model without `sow` (predict, fit),
+   and the control: that model against a second build of itself (the bench's noise);
 2. full capture of every block in predict vs plain predict, and vs the stock
    functional multi-output model returning the same tensors; and what bounds it
    on a CPU: plain predict followed by one numpy copy of the captured bytes (a
@@ -87,6 +88,16 @@ def run_backend(repeats, only=()):
         f = paired(lambda: with_sow.fit(x, y, batch_size=BATCH, verbose=0),
                    lambda: without.fit(x, y, batch_size=BATCH, verbose=0), repeats)
         rows.append(("sow, capture off vs no sow: fit epoch", f, "target <= 1.01"))
+        # The control: the model without sow against a second build of itself. Its
+        # spread is the bench's own, what a 1% target is read against.
+        inputs, _, outputs = _build(keras, cs, with_sow=False)
+        again = compiled(keras.Model(inputs, outputs))
+        f = paired(lambda: again.predict(x, batch_size=BATCH, verbose=0),
+                   lambda: without.predict(x, batch_size=BATCH, verbose=0), repeats)
+        rows.append(("control: no sow vs itself rebuilt: predict", f, "the noise"))
+        f = paired(lambda: again.fit(x, y, batch_size=BATCH, verbose=0),
+                   lambda: without.fit(x, y, batch_size=BATCH, verbose=0), repeats)
+        rows.append(("control: the same, fit epoch", f, "the noise"))
 
     # 2-3. full capture of every block vs the functional multi-output model.
     if wanted(2, 3):
