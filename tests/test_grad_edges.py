@@ -444,3 +444,136 @@ def test_jax_intermediate_grads_falls_back_to_a_second_run(monkeypatch):
     ref = _jax_hand_written(model)
     np.testing.assert_allclose(_one(result.grads, "d1:grad"), ref["d1"], rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(_one(result.grads, "d2:grad"), ref["d2"], rtol=1e-5, atol=1e-7)
+
+
+# --------------------------------------------------------------------------
+# 4. Gradients the step's own backward pass does not give (TF and torch take
+#    the others from it): a weightless or frozen prefix, and a gradient a layer
+#    takes inside its own forward pass
+# --------------------------------------------------------------------------
+def _prefixed():
+    """Rescaling (no weights) -> frozen Dense -> Dense -> Dense: the step's backward
+    reaches the last two outputs only, as no trainable weight comes before the
+    first two."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((3,))
+    h = keras.layers.Rescaling(2.0, name="pre")(inputs)
+    frozen = keras.layers.Dense(4, name="frozen")
+    frozen.trainable = False
+    h = keras.layers.Dense(3, name="d2")(frozen(h))
+    model = cs.Model(inputs, keras.layers.Dense(1, name="d3")(h), name="p")
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+    return model
+
+
+def _prefixed_reference(model):
+    w1, b1 = _weights(model, "frozen")
+    w2, b2 = _weights(model, "d2")
+    w3, b3 = _weights(model, "d3")
+    out = ((2.0 * X @ w1 + b1) @ w2 + b2) @ w3 + b3
+    d3 = 2 * (out - Y) / out.size
+    d2 = d3 @ w3.T
+    frozen = d2 @ w2.T
+    return {"d3": d3, "d2": d2, "frozen": frozen, "pre": frozen @ w1.T}
+
+
+@pytest.mark.parametrize("method", ["fit", "train_on_batch"])
+def test_sources_before_every_trainable_weight_get_their_gradients(method):
+    model = _prefixed()
+    ref = _prefixed_reference(model)
+    with cs.capture(model, ["*pre", "*frozen", "*d2", "*d3"], kinds=("grad",)) as cap:
+        _run(model, method)
+    for name, expected in ref.items():
+        assert np.abs(expected).max() > 1e-3, name  # a zero would pass unnoticed
+        np.testing.assert_allclose(_one(cap, f"{name}:grad"), expected, rtol=1e-5,
+                                   atol=1e-7, err_msg=name)
+
+
+def _outer_gradients_per_trace(monkeypatch):
+    """Counts `tape.gradient` calls on persistent tapes (callscope's outer tape;
+    Keras's own step tape is not persistent)."""
+    import tensorflow as tf
+
+    calls = []
+    gradient = tf.GradientTape.gradient
+
+    def counted(tape, *args, **kwargs):
+        calls.append(tape._persistent)
+        return gradient(tape, *args, **kwargs)
+
+    monkeypatch.setattr(tf.GradientTape, "gradient", counted)
+    return calls
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's outer tape")
+@pytest.mark.parametrize("select, outer", [
+    (["*d2", "*d3"], 0),  # all from the step's own backward: no second pass
+    (["*pre", "*d3"], 1),  # `pre` is before every trainable weight
+])
+def test_tensorflow_takes_a_second_backward_only_where_the_step_has_none(
+        monkeypatch, select, outer):
+    model = _prefixed()
+    ref = _prefixed_reference(model)
+    calls = _outer_gradients_per_trace(monkeypatch)
+    with cs.capture(model, select, kinds=("grad",)) as cap:
+        model.fit(X, Y, batch_size=len(X), epochs=2, shuffle=False, verbose=0)
+    assert calls == [False] + [True] * outer  # traced once: Keras's backward (+ ours)
+    for pattern in select:
+        name = pattern[1:]
+        np.testing.assert_allclose(_one(cap, f"{name}:grad")[:len(X)], ref[name],
+                                   rtol=1e-5, atol=1e-7, err_msg=name)
+
+
+class _SmoothnessPenalty(keras.layers.Layer):
+    """Adds a penalty on d sum(h^2) / d x, taken inside the forward pass, where
+    h is the output of a frozen inner Dense: that gradient passes through h's
+    source before the loss exists, and the step's own backward never reaches h."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.inner = keras.layers.Dense(3, name="inner")
+        self.inner.trainable = False
+
+    def call(self, x):
+        if BACKEND == "tensorflow":
+            import tensorflow as tf
+
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                h = self.inner(x)
+                s = tf.reduce_sum(h * h)
+            g = tape.gradient(s, x)
+        else:
+            import torch
+
+            if x.device.type == "meta":  # Keras's shape inference: no autograd there
+                return self.inner(x)
+            with torch.enable_grad():
+                x = x.detach().requires_grad_()
+                h = self.inner(x)
+                (g,) = torch.autograd.grad(torch.sum(h * h), x, create_graph=True)
+        return h + keras.ops.sum(g * g, axis=-1, keepdims=True)
+
+
+@pytest.mark.skipif(BACKEND == "jax", reason="JAX takes no gradient through hooks: its "
+                    "sources are perturbations differentiated by value_and_grad")
+def test_a_gradient_taken_inside_the_forward_pass_is_not_the_captured_one():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((3,))
+    penalty = _SmoothnessPenalty(name="pen")
+    model = cs.Model(inputs, keras.layers.Dense(1, name="d2")(penalty(inputs)), name="s")
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+    with cs.capture(model, ["*pen/inner"], kinds=("grad",)) as cap:
+        model.train_on_batch(X, Y)
+    w1, b1 = (numpy(v) for v in penalty.inner.weights)
+    w2, b2 = _weights(model, "d2")
+    h = X @ w1 + b1
+    g = 2 * h @ w1.T  # d sum(h^2) / d x
+    out = (h + np.sum(g * g, axis=-1, keepdims=True)) @ w2 + b2
+    # d loss / d h: through `h +` directly, and through the penalty's g = 2 h w1^T.
+    d_out = 2 * (out - Y) / out.size
+    d_sum = d_out @ w2.T
+    direct = d_sum
+    via_penalty = np.sum(d_sum, axis=-1, keepdims=True) * 2 * g @ w1 * 2
+    np.testing.assert_allclose(_one(cap, "inner:grad"), direct + via_penalty, rtol=1e-4,
+                               atol=1e-6)
