@@ -122,8 +122,11 @@ def test_rms_without_std_is_right_where_squares_leave_float32s_range(jit_compile
     """Vanishing gradients: the squares of values under 1e-19 fall below float32's
     normal range (XLA on a CPU flushes them to 0), and read an rms of 0 unscaled;
     those of values over 1.8e19 overflow, and dividing by a scale over 8.5e37 may
-    multiply by its subnormal reciprocal. Three steps merged (predict), and a
-    direct call (run op by op on JAX)."""
+    multiply by its subnormal reciprocal. The one-pass sum of squares is used
+    only where the largest square is at least size * 2**-96 (what flushes is
+    then a part in 2**30 of the sum): 2e-14 beside values whose squares flush is
+    just inside that bound. Three steps merged (predict), and a direct call (run
+    op by op on JAX)."""
     model = _ident()
     model.compile(jit_compile=jit_compile)
     rng = np.random.default_rng(4)
@@ -131,6 +134,7 @@ def test_rms_without_std_is_right_where_squares_leave_float32s_range(jit_compile
               (1e-20 * rng.normal(size=(6, 4))).astype("float32"),
               (1e20 * rng.normal(size=(6, 4))).astype("float32"),
               np.array([[3e38, 1.0, -3e38, 2.0]] * 6, "float32"),
+              np.array([[2e-14, 1e-20, -1e-20, 3e-21]] * 6, "float32"),
               np.zeros((6, 4), "float32")):
         expected = np.sqrt((x.astype(np.float64) ** 2).mean())
         with cs.capture(model, "m/ident", reduce=stats) as cap:
