@@ -124,10 +124,11 @@ def partials(value, stats, bins=32, hist_range=None):
         # `cond` (one more pass and one more buffer per point, 5-10% of a step).
         # A sum that decides: of the values, or of their squares where `qm` needs
         # those and no mean does; both where both are needed. The squares are
-        # summed as they are, in the same pass as `absmax`'s largest |value| (XLA
-        # fuses the two reductions into one loop: a gradient and output capture
-        # of 16 tensors ran about 4% faster than squaring the values over the
-        # largest, which takes a second pass, `_scaled_partials`). That is exact
+        # summed as they are, beside `absmax`'s largest |value|, not over it:
+        # dividing by the largest needs it first, so that took a second pass and
+        # a division (XLA fuses the two independent reductions into one loop). A
+        # gradient and output capture of 16 tensors in TF's fit ran about 4%
+        # faster (`bench/capture.py`, figure 5). That is exact
         # to float32's rounding while the squares neither overflow (their sum is
         # finite) nor lose anything to underflow: XLA on a CPU flushes squares
         # below 2**-126 to 0, which are at most size * 2**-126 of a sum of at
