@@ -181,3 +181,37 @@ def test_a_record_changed_in_place_later_is_refused_or_kept_as_recorded(method, 
     cap = run()
     np.testing.assert_allclose(cap["m/d:output"], dense, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(cap["m/add/h:output"], (dense + 1.0) * 3.0, rtol=1e-5, atol=1e-5)
+
+
+def _rematerialized():
+    with keras.RematScope(mode="full"):
+        return cs.Sequential([keras.Input((2,)), keras.layers.Dense(3, name="d1"),
+                              keras.layers.Dense(1, name="d2")], name="r")
+
+
+@pytest.mark.parametrize("how", ["predict", "fit", "__call__", "patch", "intermediate_grads"])
+def test_a_rematerialized_model_is_refused_before_it_runs(how):
+    # Measured before this check: lost gradients (JAX), points recorded twice
+    # (TF eager, torch's fit) and errors from inside the backend's checkpoint.
+    model = _rematerialized()
+    model.compile(optimizer="sgd", loss="mse")
+    weights = [np.array(w) for w in model.get_weights()]
+    with pytest.raises(ValueError) as info:
+        if how == "patch":
+            with cs.patch(model, {"r/d1": lambda h: h * 0.0}):
+                model.predict(X, verbose=0)
+        elif how == "intermediate_grads":
+            cs.intermediate_grads(model, lambda x: keras.ops.sum(model(x)), X, select="*")
+        else:
+            with cs.capture(model, "*", kinds=("output", "grad") if how == "fit" else ("output",)):
+                args = (X, X[:, :1]) if how == "fit" else (X,)
+                getattr(model, how)(*args, **({} if how == "__call__" else {"verbose": 0}))
+    message = str(info.value)
+    assert "keras.RematScope" in message and "Build the model outside" in message
+    assert "Received: rematerialized layers ['r', 'd1', 'd2']" in message
+    for before, after in zip(weights, model.get_weights()):
+        np.testing.assert_array_equal(before, after)  # nothing ran
+    from callscope import _scope  # and nothing is left behind
+
+    assert _scope.captures_for(model) == () and _scope.patches_for(model) == ()
+    assert _scope.run_of(model) is None

@@ -128,6 +128,7 @@ class CaptureMixin:
         """A direct, eager `model(x)` inside a capture or patch scope: one run.
         `invoke` makes the call another way (`stateless_call`, with the weights
         `state`: its trainable and non-trainable values)."""
+        _steps.check_not_rematerialized(self)
         if captures:
             _steps.check_capture_supported(self, "__call__", tuple(c.spec for c in captures))
         first = args[0] if args else kwargs.get("inputs")

@@ -215,6 +215,7 @@ class Engine(CaptureMixin):
         if captures:
             _steps.check_capture_supported(self, method, tuple(c.spec for c in captures))
         if captures or patches:
+            _steps.check_not_rematerialized(self)
             specs = self._cs_prepare_capture(captures, first_x(args, kwargs))
             if _keras_compat.is_fit_validation(method, kwargs):
                 # fit's validation records what the capture asks but gradients:

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 
 import keras
 
-from callscope import _grads, _record
+from callscope import _grads, _record, _steps
 from callscope._points import Spec, key_name, normalize_select, tree_points
 
 _BACKEND = keras.backend.backend()
@@ -70,6 +70,7 @@ def intermediate_grads(
     >>> keras.ops.convert_to_numpy(result.grads["m/block/h:grad"])  # d sum(h^2)/dh = 2h
     array([[6., 6.]], dtype=float32)
     """
+    _steps.check_not_rematerialized(model)
     spec = Spec(normalize_select(select), ("output", "grad"), None, 1, None, owner=id(model))
     _record.install_wrappers(model)
     with _record.collecting_for((spec,)) as collector:

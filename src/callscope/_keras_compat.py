@@ -36,6 +36,7 @@ REQUIRED_ATTRIBUTES = (
     (keras.Model, "_compute_loss"),  # trainers/trainer.py:404, hooked by LossHook
     (keras.Model, "_flatten_layers"),  # layers/layer.py:1708
     (keras.layers.Layer, "_seed_generators"),  # instance attr, layer.py:393
+    (keras.layers.Layer, "_remat_mode"),  # instance attr, ops/operation.py:34
 ) + (
     (
         (keras.Model, "_update_metrics_variables"),  # backend/jax/trainer.py:98
@@ -676,6 +677,16 @@ def child_layers(layer):
 def flatten_layers(model):
     """`model` and every layer under it (keras 3.15.1: layers/layer.py:1708)."""
     return model._flatten_layers(include_self=True, recursive=True)
+
+
+def rematerialized_layers(model) -> list:
+    """The layers under `model` that Keras runs rematerialized: built inside a
+    `keras.RematScope`, which leaves its mode on each (keras 3.15.1:
+    ops/operation.py:34; layers/layer.py:1177-1184 then runs `call` through
+    `rematerialized_call`)."""
+    return [layer for layer in flatten_layers(model)
+            if getattr(layer, "_remat_mode", None) is not None
+            and not isinstance(layer, keras.layers.InputLayer)]
 
 
 # --------------------------------------------------------------------------

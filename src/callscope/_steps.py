@@ -120,6 +120,25 @@ def finalize(collector, kind, args, kwargs) -> dict:
     return _reduce.pack(sown)
 
 
+def check_not_rematerialized(model) -> None:
+    """Raises for a capture or patch of a model with rematerialized layers."""
+    layers = _keras_compat.rematerialized_layers(model)
+    if layers:
+        # Measured on keras 3.15.1: JAX lost the layers' gradients and raised
+        # leaked-tracer errors elsewhere, TF raised inside `recompute_grad` or
+        # (eager) recorded each point twice, torch recorded outputs twice in fit.
+        names = [layer.name for layer in layers]
+        raise ValueError(
+            "cs.capture and cs.patch cannot look inside layers that Keras "
+            "rematerializes (built inside `keras.RematScope`): the recomputation "
+            "runs their `call` again inside the backend's checkpoint, where a record "
+            "would be lost, counted twice or leak out of it. Build the model outside "
+            "`keras.RematScope` to capture or patch it (its weights load into the "
+            "new build unchanged). Received: rematerialized layers "
+            f"{names[:8]}{' ...' if len(names) > 8 else ''}"
+        )
+
+
 def check_capture_supported(model, method, specs=()):
     """Raises where a capture would silently lose or average rows, or has no loss."""
     if any("grad" in spec.kinds for spec in specs):
