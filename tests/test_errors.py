@@ -183,18 +183,20 @@ def test_a_record_changed_in_place_later_is_refused_or_kept_as_recorded(method, 
     np.testing.assert_allclose(cap["m/add/h:output"], (dense + 1.0) * 3.0, rtol=1e-5, atol=1e-5)
 
 
-def _rematerialized():
-    with keras.RematScope(mode="full"):
-        return cs.Sequential([keras.Input((2,)), keras.layers.Dense(3, name="d1"),
-                              keras.layers.Dense(1, name="d2")], name="r")
-
-
-@pytest.mark.parametrize("how", ["predict", "fit", "__call__", "patch", "intermediate_grads"])
-def test_a_rematerialized_model_is_refused_before_it_runs(how):
-    # Measured before this check: lost gradients (JAX), points recorded twice
-    # (TF eager, torch's fit) and errors from inside the backend's checkpoint.
-    model = _rematerialized()
+def _rematerialized(**scope):
+    with keras.RematScope(**scope):
+        model = cs.Sequential([keras.Input((2,)), keras.layers.Dense(3, name="d1"),
+                               keras.layers.Dense(1, name="d2")], name="r")
     model.compile(optimizer="sgd", loss="mse")
+    return model
+
+
+@pytest.mark.parametrize("how", ["predict", "fit", "__call__", "patch", "intermediate_grads",
+                                 "points"])
+def test_a_rematerialized_model_is_refused_before_it_runs(how):
+    # Measured before this check: lost gradients and points (JAX), points recorded
+    # twice (TF eager, torch's fit) and errors from inside the backend's checkpoint.
+    model = _rematerialized(mode="full")
     weights = [np.array(w) for w in model.get_weights()]
     with pytest.raises(ValueError) as info:
         if how == "patch":
@@ -202,16 +204,41 @@ def test_a_rematerialized_model_is_refused_before_it_runs(how):
                 model.predict(X, verbose=0)
         elif how == "intermediate_grads":
             cs.intermediate_grads(model, lambda x: keras.ops.sum(model(x)), X, select="*")
+        elif how == "points":
+            cs.points(model, X)
         else:
             with cs.capture(model, "*", kinds=("output", "grad") if how == "fit" else ("output",)):
                 args = (X, X[:, :1]) if how == "fit" else (X,)
                 getattr(model, how)(*args, **({} if how == "__call__" else {"verbose": 0}))
     message = str(info.value)
-    assert "keras.RematScope" in message and "Build the model outside" in message
-    assert "Received: rematerialized layers ['r', 'd1', 'd2']" in message
+    assert "outside `keras.RematScope`" in message and "keras.saving.load_model" in message
+    assert ("Received: model='r' with 3 rematerialized layers ['r', 'd1', 'd2'] "
+            "(mode=full)") in message
     for before, after in zip(weights, model.get_weights()):
         np.testing.assert_array_equal(before, after)  # nothing ran
     from callscope import _scope  # and nothing is left behind
 
     assert _scope.captures_for(model) == () and _scope.patches_for(model) == ()
     assert _scope.run_of(model) is None
+
+
+def test_only_the_layers_keras_rematerializes_are_refused():
+    with pytest.raises(ValueError, match=r"with 1 rematerialized layers \['d1'\] "
+                                         r"\(mode=list_of_layers\)"):
+        cs.points(_rematerialized(mode="list_of_layers", layer_names=["d1"]), X)
+    # Nothing runs in a checkpoint: mode None (Keras's way to switch it off in an
+    # inner scope), no layer named, or a plain activation (it runs inside the
+    # recording wrapper). The capture is that of the same model built outside.
+    keras.utils.set_random_seed(0)
+    reference = _rematerialized(mode=None)
+    with cs.capture(reference, "*") as expected:
+        reference.predict(X, verbose=0)
+    for scope in ({"mode": None}, {"mode": "list_of_layers", "layer_names": ["other"]},
+                  {"mode": "activations"}):
+        keras.utils.set_random_seed(0)
+        model = _rematerialized(**scope)
+        with cs.capture(model, "*") as cap:
+            model.predict(X, verbose=0)
+        assert sorted(cap) == sorted(expected), scope
+        for key in expected:
+            np.testing.assert_array_equal(cap[key], expected[key], err_msg=str(scope))

@@ -680,13 +680,27 @@ def flatten_layers(model):
 
 
 def rematerialized_layers(model) -> list:
-    """The layers under `model` that Keras runs rematerialized: built inside a
-    `keras.RematScope`, which leaves its mode on each (keras 3.15.1:
-    ops/operation.py:34; layers/layer.py:1177-1184 then runs `call` through
-    `rematerialized_call`)."""
-    return [layer for layer in flatten_layers(model)
-            if getattr(layer, "_remat_mode", None) is not None
-            and not isinstance(layer, keras.layers.InputLayer)]
+    """`(layer, mode)` for each layer under `model` whose `call` Keras runs inside
+    a checkpoint, by the rules of `rematerialized_call` (keras 3.15.1:
+    ops/operation.py:103-137, layers/layer.py:1770-1801). A layer made or built
+    inside a `keras.RematScope` keeps its mode (`_remat_mode`, ops/operation.py:34):
+    "full" always, "list_of_layers" for the layers it names, "larger_than" where
+    the output is larger (known only when called: every layer counts), and
+    "activations" only its activation (inside the recording wrapper: none
+    counts, but an activation that is a Layer). A scope with `mode=None` counts
+    for nothing."""
+    found = []
+    for layer in flatten_layers(model):
+        mode = getattr(layer, "_remat_mode", None)
+        if mode is None or isinstance(layer, keras.layers.InputLayer):
+            continue
+        activation = getattr(layer, "activation", None)
+        if (mode.mode in ("full", "larger_than")
+                or (mode.mode == "list_of_layers" and layer.name in mode.layer_names)
+                or (mode.mode == "activations"
+                    and isinstance(activation, keras.layers.Layer))):
+            found.append((layer, mode.mode))
+    return found
 
 
 # --------------------------------------------------------------------------

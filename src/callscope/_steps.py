@@ -121,21 +121,26 @@ def finalize(collector, kind, args, kwargs) -> dict:
 
 
 def check_not_rematerialized(model) -> None:
-    """Raises for a capture or patch of a model with rematerialized layers."""
-    layers = _keras_compat.rematerialized_layers(model)
-    if layers:
-        # Measured on keras 3.15.1: JAX lost the layers' gradients and raised
-        # leaked-tracer errors elsewhere, TF raised inside `recompute_grad` or
-        # (eager) recorded each point twice, torch recorded outputs twice in fit.
-        names = [layer.name for layer in layers]
+    """Raises for a model with layers that Keras rematerializes (see
+    `_keras_compat.rematerialized_layers`), before anything runs."""
+    found = _keras_compat.rematerialized_layers(model)
+    if found:
+        # Measured on keras 3.15.1: JAX lost the layers' gradients, left points
+        # out of cs.points and raised leaked-tracer errors elsewhere, TF raised
+        # inside `recompute_grad` or (eager) recorded each point twice, torch
+        # recorded outputs twice in fit.
+        names = [layer.name for layer, _ in found]
+        modes = sorted({mode for _, mode in found})
         raise ValueError(
-            "cs.capture and cs.patch cannot look inside layers that Keras "
-            "rematerializes (built inside `keras.RematScope`): the recomputation "
-            "runs their `call` again inside the backend's checkpoint, where a record "
-            "would be lost, counted twice or leak out of it. Build the model outside "
-            "`keras.RematScope` to capture or patch it (its weights load into the "
-            "new build unchanged). Received: rematerialized layers "
-            f"{names[:8]}{' ...' if len(names) > 8 else ''}"
+            "callscope cannot look inside layers that Keras rematerializes: their "
+            "`call` runs again inside the backend's checkpoint, where a record would "
+            "be lost, counted twice or leak out of it, so cs.capture, cs.patch, "
+            "cs.intermediate_grads, cs.points and cs.summary refuse such a model. "
+            "Make and first call (build) the model outside `keras.RematScope`, or "
+            "load it with `keras.saving.load_model` outside the scope (the mode is "
+            f"not saved), to look inside it. Received: model={model.name!r} with "
+            f"{len(names)} rematerialized layers {names[:8]}"
+            f"{' ...' if len(names) > 8 else ''} (mode={', '.join(modes)})"
         )
 
 

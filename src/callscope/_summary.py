@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import keras
 
-from callscope import _keras_compat, _record
+from callscope import _keras_compat, _record, _steps
 from callscope._points import Spec
 
 _EVERYTHING = Spec(select=lambda point, layer: True, kinds=("output",), stats=None, bins=1)
 
 
 def _run(model, x):
+    _steps.check_not_rematerialized(model)
     if not model.built:
         with _record.collecting_for(()):  # a plain call: builds, records nothing
             model(x, training=False)
