@@ -128,33 +128,33 @@ def partials(value, stats, bins=32, hist_range=None):
         # dividing by the largest needs it first, so that took a second pass and
         # a division (XLA fuses the two independent reductions into one loop). A
         # gradient and output capture of 16 tensors in TF's fit ran about 4%
-        # faster (`bench/capture.py`, figure 5). That is exact
-        # to float32's rounding while the squares neither overflow (their sum is
-        # finite) nor lose anything to underflow: XLA on a CPU flushes squares
-        # below 2**-126 to 0, which are at most size * 2**-126 of a sum of at
-        # least largest**2, so `fits` asks largest**2 >= size * 2**-96 (a part in
-        # 2**30 at most). Any other tensor (vanishing or huge values, or one
-        # with a non-finite element, which makes a sum inf or NaN) goes to
-        # `_scaled_partials` in the `cond`.
-        sums, fits = {}, None
+        # faster (`bench/capture.py`, figure 5). That is exact to float32's
+        # rounding while the squares neither overflow (their sum is finite) nor
+        # lose anything to underflow: a CPU flushes squares below 2**-126 to 0,
+        # which are at most size * 2**-126 of a sum of at least largest**2, so
+        # `fits` asks largest**2 >= size * 2**-96 (a part in 2**30 at most). Any
+        # other tensor (vanishing or huge values, or one with a non-finite
+        # element, which makes a sum inf or NaN) goes to `_scaled_partials`.
+        sums, fits = {}, ()
         if "qm" in needed:
             largest = ops.max(ops.abs(x))
             sums["squares"] = ops.sum(ops.square(x))
             size = ops.cast(ops.shape(x)[0], "float32")
-            fits = ops.square(largest) >= size * 2.0**-96
+            fits = (ops.square(largest) >= size * 2.0**-96,)
         if "mean" in needed or not sums:
             sums["total"] = ops.sum(x)
         finite = _finite_partials(x, sums, needed, bins, hist_range)
-        decides = [ops.isfinite(v) for v in sums.values()]
-        if fits is not None:
-            decides.append(fits)
-        out = ops.cond(_all(decides), lambda: dict(finite),
-                       lambda: _scaled_partials(flat(), needed, bins, hist_range))
+        out = _picked(sums, finite, lambda: _scaled_partials(flat(), needed, bins, hist_range),
+                      also=fits)
     return {k: ops.expand_dims(v, 0) for k, v in out.items()}
 
 
-def _all(conditions):
-    return functools.reduce(ops.logical_and, conditions)
+def _picked(sums, finite, otherwise, also=()):
+    """`finite` (partials) where every sum is finite and every condition in `also`
+    holds, else `otherwise()`: picked on the device, by an `ops.cond`."""
+    decides = [ops.isfinite(v) for v in sums.values()] + list(also)
+    return ops.cond(functools.reduce(ops.logical_and, decides), lambda: dict(finite),
+                    otherwise)
 
 
 def _scaled_partials(x, needed, bins, hist_range):
@@ -170,8 +170,7 @@ def _scaled_partials(x, needed, bins, hist_range):
     if "mean" in needed:
         sums["total"] = ops.sum(x)
     finite = _finite_partials(x, sums, needed, bins, hist_range, scale)
-    return ops.cond(_all([ops.isfinite(v) for v in sums.values()]), lambda: dict(finite),
-                    lambda: _masked_partials(x, needed, bins, hist_range))
+    return _picked(sums, finite, lambda: _masked_partials(x, needed, bins, hist_range))
 
 
 def _masked_partials(x, needed, bins, hist_range):
