@@ -4,11 +4,13 @@ Device counts must be fixed before the backend initialises, hence the process.
 Usage: python distributed_worker.py jax|tensorflow
 """
 
+import faulthandler
 import json
 import os
 import sys
 import threading
 
+faulthandler.dump_traceback_later(500, exit=True)  # a hang fails with its stacks
 ENGINE = sys.argv[1]
 if ENGINE == "jax":
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
@@ -39,12 +41,12 @@ class Probe(keras.layers.Layer):
         return x + 100.0 if debugging else x
 
 
-def build():
+def build(run_eagerly=False):
     keras.utils.set_random_seed(0)
     model = cs.Sequential([keras.Input((2,)), keras.layers.Dense(1, name="dense"),
                            Probe(name="probe")], name="seq")
     model.register_context_args("debugging")
-    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse", run_eagerly=run_eagerly)
     return model
 
 
@@ -163,6 +165,23 @@ else:
     with strategy.scope():
         model = build()
     results["distributed_train_test"] = train_test(model)
+    # Run eagerly, each replica's step runs in a thread of its own, which sees no
+    # contextvars, while the caller waits holding the model's turn (this hung).
+    seen.clear()
+    with strategy.scope():
+        model = build(run_eagerly=True)
+    results["eager_distributed"] = run(model)
+    results["eager_threads_with_value"] = sorted({t for t, v in seen if v is True})
+    with strategy.scope():
+        model = build(run_eagerly=True)
+    results["eager_distributed_train_test"] = train_test(model)
+    with strategy.scope():  # stock Keras, the same validation run eagerly
+        keras.utils.set_random_seed(0)
+        stock = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+        stock.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse", run_eagerly=True)
+    results["stock_eager_val_loss"] = stock.fit(
+        X, Y, epochs=2, batch_size=8, verbose=0, validation_data=(X[:5], Y[:5]),
+        validation_batch_size=4).history["val_loss"]
     # Other strategies with several replicas: train/test capture is refused.
     central = tf.distribute.experimental.CentralStorageStrategy(["/cpu:0", "/cpu:1"])
     with central.scope():
