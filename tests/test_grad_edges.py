@@ -577,3 +577,79 @@ def test_a_gradient_taken_inside_the_forward_pass_is_not_the_captured_one():
     via_penalty = np.sum(d_sum, axis=-1, keepdims=True) * 2 * g @ w1 * 2
     np.testing.assert_allclose(_one(cap, "inner:grad"), direct + via_penalty, rtol=1e-4,
                                atol=1e-6)
+
+
+# --------------------------------------------------------------------------
+# 5. A checkpoint a layer makes inside its own call (`keras.remat`, the backend's
+#    own): its body is a loop body on every backend, never a silently wrong point
+#    (TF's gradients of values inside `tf.recompute_grad` read 0, JAX's body is a
+#    trace of its own)
+# --------------------------------------------------------------------------
+def _backend_checkpoint(f):
+    if BACKEND == "jax":
+        import jax
+
+        return jax.checkpoint(f)
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        return tf.recompute_grad(f)
+    import torch  # its own checkpoint computes it right: see the test
+
+    return lambda *args: torch.utils.checkpoint.checkpoint(f, *args, use_reentrant=False)
+
+
+class _Checkpointed(keras.layers.Layer):
+    def __init__(self, how="keras", **kwargs):
+        super().__init__(**kwargs)
+        self.how = how
+        self.d1 = keras.layers.Dense(4, name="d1")
+        self.d2 = keras.layers.Dense(4, name="d2")
+
+    def call(self, x):
+        body = lambda t: self.d2(self.d1(t))  # noqa: E731
+        if self.how is None:
+            return body(x)
+        return (keras.remat(body) if self.how == "keras" else _backend_checkpoint(body))(x)
+
+
+def _checkpointed(how):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((3,))
+    h = _Checkpointed(how, name="inner")(inputs)
+    model = cs.Model(inputs, keras.layers.Dense(1, name="head")(h), name="c")
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+    return model
+
+
+@pytest.mark.parametrize("how", ["keras", "backend"])
+@pytest.mark.parametrize("run_eagerly", [False, True])
+def test_points_inside_a_checkpoint_are_loop_points(how, run_eagerly):
+    model = _checkpointed(how)
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse", run_eagerly=run_eagerly)
+    with cs.capture(model, "*", kinds=("output", "grad")) as cap:
+        model.fit(X, Y, batch_size=len(X), epochs=1, shuffle=False, verbose=0)
+    # Without the checkpoint the same weights give every point; with it, the
+    # layer that makes the checkpoint is the point (a glob leaves its body out).
+    plain = _checkpointed(None)
+    plain.set_weights(model.get_weights())
+    with cs.capture(plain, "*", kinds=("output", "grad")) as ref:
+        plain.fit(X, Y, batch_size=len(X), epochs=1, shuffle=False, verbose=0)
+    inside = {k for k in ref.keys() if "/inner/" in k}
+    assert inside == {"c/inner/d1:output", "c/inner/d1:grad", "c/inner/d2:output",
+                      "c/inner/d2:grad"}
+    if how == "backend" and BACKEND == "torch":  # torch's checkpoint: right, and kept
+        assert set(cap.keys()) == set(ref.keys())
+    else:
+        assert set(cap.keys()) == set(ref.keys()) - inside
+    for key in cap.keys():
+        np.testing.assert_allclose(numpy(cap[key]), numpy(ref[key]), rtol=1e-5, atol=1e-7,
+                                   err_msg=key)
+    assert np.abs(numpy(cap["c/inner:grad"])).max() > 1e-3
+    if how == "backend" and BACKEND == "torch":
+        return
+    # Named exactly, a point inside raises, saying what to capture instead.
+    with pytest.raises(cs.LoopPointError, match=r"checkpoint: keras.remat.*Capture or patch "
+                       r"`c/inner` instead"):
+        with cs.capture(model, ["c/inner/d1"], kinds=("grad",)):
+            model.fit(X, Y, batch_size=len(X), epochs=1, shuffle=False, verbose=0)

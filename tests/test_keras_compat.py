@@ -5,6 +5,7 @@ import re
 
 import keras
 import pytest
+from conftest import BACKEND
 
 from callscope import _keras_compat
 
@@ -99,3 +100,21 @@ def test_loops_and_branches_are_counted():
     keras.ops.scan(lambda c, x: (depths.append(_keras_compat.loop_depth()) or c, x), 0.0,
                    keras.ops.ones((2,)))
     assert depths and min(depths) >= 1, f"keras {keras.__version__} moved its loops"
+
+
+def test_a_checkpoint_body_is_counted_and_tf_recording_stopped_is_seen():
+    # `mark_loops` also wraps `backend.core.remat`, which keras.remat calls.
+    depths = []
+    _keras_compat.mark_loops()
+    keras.remat(lambda x: depths.append(_keras_compat.loop_depth()) or x * 2.0)(
+        keras.ops.ones((2,)))
+    assert depths == [1], f"keras {keras.__version__} moved `remat`: {depths}"
+    assert _keras_compat.loop_depth() == 0
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        seen = []
+        assert not _keras_compat.tf_recording_stopped()
+        tf.recompute_grad(lambda x: seen.append(_keras_compat.tf_recording_stopped()) or x)(
+            tf.ones((2,)))
+        assert seen == [True], "tensorflow changed how recompute_grad runs its body"

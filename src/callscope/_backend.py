@@ -210,8 +210,9 @@ def trace_marker():
     `keras.ops` loops and branches (`_keras_compat.mark_loops`), with, on JAX,
     the current trace (jax 0.10.2: `jax._src.core.trace_ctx`, the only way to ask;
     it catches `jax.lax` loops and transforms in user code) and, on TF, the
-    default graph (a `tf.while_loop` body is a graph of its own). RNN layers are
-    known by type."""
+    default graph (a `tf.while_loop` body is a graph of its own) and whether
+    gradient recording is stopped (`tf.recompute_grad`'s body: a gradient of a
+    value made there reads 0). RNN layers are known by type."""
     from callscope import _keras_compat
 
     depth = _keras_compat.loop_depth()
@@ -222,7 +223,8 @@ def trace_marker():
     if BACKEND == "tensorflow":
         import tensorflow as tf
 
-        return depth, None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+        graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+        return depth, graph, _keras_compat.tf_recording_stopped()
     return depth, None
 
 

@@ -596,6 +596,39 @@ def mark_loops() -> None:
 
         counted._callscope_loop = True
         setattr(core, name, counted)
+    # `keras.remat(f)` (keras 3.15.1: backend/common/remat.py calls
+    # `backend.core.remat(f)` when it wraps f): the body of a checkpoint counts as a
+    # loop body. JAX traces it apart (its values cannot leave it), TF's
+    # `recompute_grad` runs it unrecorded (a gradient of a value inside read 0),
+    # and torch runs it again in the backward pass; so on every backend its layers
+    # are points of the enclosing layer's loop, never silently wrong ones.
+    remat = getattr(core, "remat", None)
+    if remat is not None and not getattr(remat, "_callscope_loop", False):
+
+        @functools.wraps(remat)
+        def counted_remat(f, _remat=remat):
+            @functools.wraps(f)
+            def body(*args, **kwargs):
+                _LOOP_DEPTH.depth += 1
+                try:
+                    return f(*args, **kwargs)
+                finally:
+                    _LOOP_DEPTH.depth -= 1
+
+            return _remat(body)
+
+        counted_remat._callscope_loop = True
+        core.remat = counted_remat
+
+
+def tf_recording_stopped() -> bool:
+    """TF: is gradient recording stopped on this thread? `tf.recompute_grad` (and
+    so `keras.remat`) runs its function so, and a tape then sees nothing of what it
+    makes (tensorflow 2.21: python/eager/record.py `stop_recording`, the only way
+    to ask)."""
+    from tensorflow.python import pywrap_tfe
+
+    return bool(pywrap_tfe.TFE_Py_TapeSetIsStopped())
 
 
 def is_graph_model(layer) -> bool:
