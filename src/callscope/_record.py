@@ -16,7 +16,8 @@ outputs. Outside a capture or patch, `sow` is one context lookup and the
 compiled graph has no extra outputs.
 
 A layer called inside a loop body or a branch (an RNN's cell, `keras.ops.scan`,
-`fori_loop`, `while_loop`, `map`, `vectorized_map`, `cond`, `switch`) is not a
+`fori_loop`, `while_loop`, `map`, `vectorized_map`, `cond`, `switch`) or a
+checkpoint's body (`keras.remat`, `jax.checkpoint`, `tf.recompute_grad`) is not a
 point: its values cannot leave the body.
 Globs skip it; naming it exactly, or patching it, raises `LoopPointError`.
 """
@@ -65,8 +66,9 @@ _ACTIVE = _Active()
 class LoopPointError(ValueError):
     """A capture or patch named a point that runs inside a loop body.
 
-    A layer called inside a loop (an RNN's cell, `keras.ops.scan`) makes values
-    that cannot leave the loop; capture the layer that runs the loop instead.
+    A layer called inside a loop (an RNN's cell, `keras.ops.scan`) or inside a
+    checkpoint (`keras.remat`) makes values that cannot leave it; capture the
+    layer that runs the loop or makes the checkpoint instead.
 
     Example:
 
