@@ -146,6 +146,60 @@ def train_test(model):
     return out
 
 
+def handover(strategy):
+    """A callback of a mirrored fit waits for another thread's predict of the same
+    model: the turn passes to it and back, parking the fit's metrics, whose
+    variables are sync-on-read (one part per replica, no single value)."""
+    out = {}
+    for eager in (False, True):
+        with strategy.scope():
+            plain, model = build(run_eagerly=eager), build(run_eagerly=eager)
+        other = []
+
+        def predict_elsewhere(batch, logs, model=model, other=other):
+            worker = threading.Thread(
+                target=lambda: other.append(model.predict(X[:4], debugging=True, verbose=0)))
+            worker.start()
+            worker.join(120)
+
+        waits = keras.callbacks.LambdaCallback(on_train_batch_end=predict_elsewhere)
+        fit = dict(epochs=2, batch_size=8, verbose=0, shuffle=False)
+        out[f"eager={eager}"] = {
+            "loss": model.fit(X, Y, callbacks=[waits], **fit).history["loss"],
+            "plain": plain.fit(X, Y, **fit).history["loss"],
+            "predicts": len(other), "predict_min": float(np.min(other))}
+    return out
+
+
+def synchronized_bn(strategy):
+    """Run eagerly, replicas wait for each other inside a synchronized
+    BatchNormalization of an inner callscope model, in fit and in a user's own
+    `strategy.run`: none may hold a model's turn there."""
+    def make(cls, inner_cls):
+        keras.utils.set_random_seed(0)
+        inner = inner_cls([keras.Input((2,)), keras.layers.Dense(4),
+                           keras.layers.BatchNormalization(synchronized=True)], name="inner")
+        inputs = keras.Input((2,))
+        model = cls(inputs, keras.layers.Dense(1)(inner(inputs)), name="outer")
+        model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse", run_eagerly=True)
+        return model
+
+    out = {}
+    for name, cls, inner_cls in (("callscope", cs.Model, cs.Sequential),
+                                 ("stock", keras.Model, keras.Sequential)):
+        with strategy.scope():
+            model = make(cls, inner_cls)
+        loss = model.fit(X, Y, epochs=2, batch_size=8, verbose=0, shuffle=False)
+        data = strategy.experimental_distribute_dataset(
+            tf.data.Dataset.from_tensor_slices(X).batch(8))
+        outputs = [strategy.run(lambda x, m=model: m(x, training=True), args=(x,))
+                   for x in data]
+        out[name] = {"loss": loss.history["loss"], "run": [
+            np.concatenate([np.asarray(p) for p in strategy.experimental_local_results(o)])
+            .tolist() for o in outputs]}
+    return out
+
+
 results = {"single": run(build())}
 if ENGINE == "jax":
     devices = keras.distribution.list_devices("cpu")
@@ -175,6 +229,8 @@ else:
     with strategy.scope():
         model = build(run_eagerly=True)
     results["eager_distributed_train_test"] = train_test(model)
+    results["handover"] = handover(strategy)
+    results["synchronized_bn"] = synchronized_bn(strategy)
     with strategy.scope():  # stock Keras, the same validation run eagerly
         keras.utils.set_random_seed(0)
         stock = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])

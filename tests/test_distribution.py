@@ -149,6 +149,15 @@ def test_tf_mirrored_strategy_matches_one_device():
     for key, value in results["single"]["capture_fit"].items():
         _close(results["eager_distributed"]["capture_fit"][key], value, rtol=1e-4)
     assert len(results["eager_threads_with_value"]) >= 2, results["eager_threads_with_value"]
+    # The turn passed to another thread's predict in a callback, and back: the
+    # fit's sync-on-read metrics parked and restored, per replica.
+    for how, got in results["handover"].items():
+        _close(got["loss"], got["plain"], rtol=1e-5)
+        assert got["predicts"] == 4 and got["predict_min"] > 99, (how, got)
+    # Replicas meeting in a synchronized BatchNormalization of an inner model.
+    ours, stock = results["synchronized_bn"]["callscope"], results["synchronized_bn"]["stock"]
+    _close(ours["loss"], stock["loss"], rtol=1e-5)
+    _close(ours["run"], stock["run"], rtol=1e-5)
     # Keras's own eager validation gives NaN where a replica's batch is empty (stock
     # Keras run the same way does too); everything callscope captured matches.
     assert np.isnan(results["stock_eager_val_loss"]).all(), results["stock_eager_val_loss"]

@@ -991,3 +991,34 @@ def test_a_callback_raising_while_another_thread_evaluates():
     assert model.evaluate(XB, Y, batch_size=1, verbose=0) == pytest.approx(reference, rel=1e-5)
     np.testing.assert_allclose(model.predict(X, verbose=0), _dense(model, X), rtol=1e-5,
                                atol=1e-6)
+
+
+def test_a_gate_whose_switch_raises_is_not_left_held():
+    # The turn's hand-over (parking the other call's state) may fail; the call
+    # that tried never started, so the gate must be free for the paused one.
+    from callscope._run import Gate
+
+    fails = [True]
+
+    def switch(previous, current):
+        if fails and fails.pop():
+            raise RuntimeError("parking failed")
+
+    gate = Gate(switch)
+    gate.enter()
+    gate.open()  # paused, as in a callback
+    errors = []
+
+    def other():
+        try:
+            gate.enter()
+        except RuntimeError as error:
+            errors.append(str(error))
+
+    worker = threading.Thread(target=other)
+    worker.start()
+    worker.join(10)
+    assert errors == ["parking failed"]
+    assert not gate._lock.locked()  # else the paused call's `close` waits forever
+    gate.close()
+    assert not gate.is_open_for()

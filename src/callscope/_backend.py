@@ -77,6 +77,32 @@ def _replica_context():
     return context
 
 
+def _replica_parts(variable) -> tuple | None:
+    """The per-replica variables of a `tf.distribute` variable (a metric's is
+    sync-on-read: each replica keeps its own part), or None."""
+    parts = getattr(getattr(variable, "value", None), "values", None)
+    return parts if BACKEND == "tensorflow" and isinstance(parts, tuple) else None
+
+
+def host_values(variable):
+    """A copy of `variable`'s value on the host; per replica for a distributed one
+    (a sync-on-read variable has no single value: numpy refuses it)."""
+    parts = _replica_parts(variable)
+    if parts is not None:
+        return tuple(np.array(p.numpy()) for p in parts)
+    return keras.ops.convert_to_numpy(variable.value)
+
+
+def assign_values(variable, values) -> None:
+    """Puts back what `host_values` copied."""
+    parts = _replica_parts(variable)
+    if parts is not None and isinstance(values, tuple) and len(values) == len(parts):
+        for part, value in zip(parts, values):
+            part.assign(value)
+        return
+    variable.assign(values)
+
+
 def is_mirrored(strategy) -> bool:
     """Is `strategy` a `tf.distribute.MirroredStrategy` (one machine)?"""
     if BACKEND != "tensorflow":

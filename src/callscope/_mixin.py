@@ -172,12 +172,13 @@ class ContextMixin(Engine, _keras_compat.LossHook, *_JAX_HOOKS):
         # took the turn it needs. (Taking it here too, a TF or torch predict step
         # holding the dynamic-input lock waited for an evaluate in another thread
         # that held the gate and waited for that lock.)
-        # Nor does a replica thread of a step that tf.distribute runs eagerly: the
-        # thread that holds the gate waits for it (it sees no contextvars, so not
-        # `stepping`; MirroredStrategy with run_eagerly=True deadlocked here).
+        # Nor does a replica thread of a multi-replica step that tf.distribute runs
+        # eagerly (fit's, or a user's `strategy.run`, this model's or an outer
+        # model's): the caller waits for its replicas, which wait for each other in
+        # their collectives (a synchronized BatchNormalization); one holding the gate
+        # there deadlocked the rest (they see no contextvars, so not `stepping`).
         eager = not symbolic and not tracing
-        in_step = _scope.stepping(self) or (state.replica_entry is not None
-                                            and _backend.replicas_in_step() > 1)
+        in_step = _scope.stepping(self) or _backend.replicas_in_step() > 1
         gate = state.gate if eager and not in_step else None
         token = gate.enter() if gate is not None else None
         try:

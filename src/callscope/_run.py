@@ -27,7 +27,7 @@ from typing import Any
 
 import keras
 
-from callscope import _inputs, _keras_compat
+from callscope import _backend, _inputs, _keras_compat
 
 
 
@@ -163,7 +163,14 @@ class Gate:
             return token
         self._lock.acquire()
         self._owner, self._depth = me, 1
-        self._taken(me)
+        try:
+            self._taken(me)
+        except BaseException:
+            # Never left held by a call that did not start (it would hang the
+            # paused call, which waits in `close`).
+            self._owner, self._depth = None, 0
+            self._lock.release()
+            raise
         return token
 
     def exit(self, token: int) -> None:
@@ -241,7 +248,7 @@ class SharedState:
             return
         variables = list(model.metrics_variables)
         if previous is not None:
-            self._parked[previous] = ([keras.ops.convert_to_numpy(v.value) for v in variables],
+            self._parked[previous] = ([_backend.host_values(v) for v in variables],
                                       _keras_compat.eval_iterator(model),
                                       getattr(model, "history", None))
         values, iterator, history = self._parked.pop(current, (None, None, None))
@@ -250,7 +257,7 @@ class SharedState:
             model.history = history  # callback sets: the resuming call's own, back
         if values is not None and len(values) == len(variables):
             for variable, value in zip(variables, values):
-                variable.assign(value)
+                _backend.assign_values(variable, value)
             _keras_compat.mark_jax_state_stale(model)
 
     def forget(self, thread: int) -> None:
