@@ -149,7 +149,7 @@ def test_tf_mirrored_strategy_matches_one_device():
     for key, value in results["single"]["capture_fit"].items():
         _close(results["eager_distributed"]["capture_fit"][key], value, rtol=1e-4)
     assert len(results["eager_threads_with_value"]) >= 2, results["eager_threads_with_value"]
-    # The turn passed to another thread's predict in a callback, and back: the
+    # The turn passed to another thread's call in a callback, and back: the
     # fit's sync-on-read metrics parked and restored, per replica.
     for how, got in results["handover"].items():
         _close(got["loss"], got["plain"], rtol=1e-5)

@@ -190,18 +190,25 @@ def test_a_worker_thread_does_not_inherit_the_scope_unless_copied():
     assert seen == {"plain": None, "copied": "a"}
 
 
-def test_a_callback_that_waits_on_another_threads_predict_does_not_deadlock():
+@pytest.mark.parametrize("lambda_callback", [False, True])  # its hooks: the instance's
+def test_a_callback_that_waits_on_another_threads_predict_does_not_deadlock(lambda_callback):
     model = _seq()
     reference = _dense(model, X)
     got = []
 
+    def wait_for_predict(batch, logs=None):
+        worker = threading.Thread(target=lambda: got.append(model.predict(X, verbose=0)))
+        worker.start()
+        worker.join(60)
+        assert not worker.is_alive(), "the worker's predict deadlocked"
+
     class Waits(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
-            worker = threading.Thread(target=lambda: got.append(
-                model.predict(X, verbose=0)))
-            worker.start()
-            worker.join(60)
-            assert not worker.is_alive(), "the worker's predict deadlocked"
+            wait_for_predict(batch, logs)
+
+    if lambda_callback:
+        def Waits():  # noqa: N802
+            return keras.callbacks.LambdaCallback(on_train_batch_end=wait_for_predict)
 
     def fit():
         with cs.capture(model, "s/d", reduce="mean") as cap:

@@ -299,7 +299,9 @@ _BATCH_HOOKS = {
 def _hooks_for(callbacks) -> tuple:
     """The epoch hooks, and each batch hook some callback overrides."""
     def overrides(callback, name):
-        return getattr(type(callback), name, None) is not getattr(keras.callbacks.Callback, name)
+        # An instance's own hook counts too: LambdaCallback sets the ones it is given.
+        return name in getattr(callback, "__dict__", {}) or (
+            getattr(type(callback), name, None) is not getattr(keras.callbacks.Callback, name))
 
     batch = [hook for hook, names in _BATCH_HOOKS.items()
              if any(overrides(c, n) for c in callbacks for n in names)]
