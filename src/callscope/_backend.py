@@ -80,8 +80,10 @@ def _replica_context():
 def _replica_parts(variable) -> tuple | None:
     """The per-replica variables of a `tf.distribute` variable (a metric's is
     sync-on-read: each replica keeps its own part), or None."""
+    if BACKEND != "tensorflow":
+        return None
     parts = getattr(getattr(variable, "value", None), "values", None)
-    return parts if BACKEND == "tensorflow" and isinstance(parts, tuple) else None
+    return parts if isinstance(parts, tuple) else None
 
 
 def host_values(variable):

@@ -585,17 +585,7 @@ def mark_loops() -> None:
         loop = getattr(core, name, None)
         if loop is None or getattr(loop, "_callscope_loop", False):
             continue
-
-        @functools.wraps(loop)
-        def counted(*args, _loop=loop, **kwargs):
-            _LOOP_DEPTH.depth += 1
-            try:
-                return _loop(*args, **kwargs)
-            finally:
-                _LOOP_DEPTH.depth -= 1
-
-        counted._callscope_loop = True
-        setattr(core, name, counted)
+        setattr(core, name, _counted(loop))
     # `keras.remat(f)` (keras 3.15.1: backend/common/remat.py calls
     # `backend.core.remat(f)` when it wraps f): the body of a checkpoint counts as a
     # loop body. JAX traces it apart (its values cannot leave it), TF's
@@ -607,18 +597,24 @@ def mark_loops() -> None:
 
         @functools.wraps(remat)
         def counted_remat(f, _remat=remat):
-            @functools.wraps(f)
-            def body(*args, **kwargs):
-                _LOOP_DEPTH.depth += 1
-                try:
-                    return f(*args, **kwargs)
-                finally:
-                    _LOOP_DEPTH.depth -= 1
-
-            return _remat(body)
+            return _remat(_counted(f))  # the body, wherever the checkpoint runs it
 
         counted_remat._callscope_loop = True
         core.remat = counted_remat
+
+
+def _counted(f):
+    """`f`, counting one level of loop depth while it runs."""
+    @functools.wraps(f)
+    def counted(*args, **kwargs):
+        _LOOP_DEPTH.depth += 1
+        try:
+            return f(*args, **kwargs)
+        finally:
+            _LOOP_DEPTH.depth -= 1
+
+    counted._callscope_loop = True
+    return counted
 
 
 def tf_recording_stopped() -> bool:
