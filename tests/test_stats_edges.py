@@ -488,3 +488,30 @@ def test_hist_range_from_the_first_batch_leaves_non_finite_values_out():
     for key in _keys(cap, "hist"):
         np.testing.assert_allclose(cap.hist_edges(key), np.linspace(-0.5, 2.0, BINS + 1))
         np.testing.assert_array_equal(cap[key], [4, 0, 1, 2])  # 9 and -9 in the edge bins
+
+
+@pytest.mark.parametrize("ratio", [0.0, 0.99, 1.01, 100.0])
+def test_std_of_a_large_tensor_is_right_to_float32s_rounding(ratio):
+    """M2 as the sum of squares less total * mean (one pass: JAX's dot product,
+    torch's) is taken only where that cancels at most half of the sum (the mean
+    at most the standard deviation); past that, M2 is summed about the mean.
+    Each side of that edge, and far past it, on a step-sized tensor, compiled."""
+    rng = np.random.default_rng(7)
+    x = (ratio + rng.normal(size=(256, 512))).astype("float32")
+    expected = _partials_of(np.asarray(x, np.float64).ravel())
+    if BACKEND == "jax":
+        import jax
+
+        fn = jax.jit(lambda t: _reduce.partials(t, ("mean", "std"), BINS, RANGE))
+    elif BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        fn = tf.function(lambda t: _reduce.partials(t, ("mean", "std"), BINS, RANGE),
+                         jit_compile=True)
+    else:
+        fn = lambda t: _reduce.partials(t, ("mean", "std"), BINS, RANGE)  # noqa: E731
+    parts = {k: numpy(v) for k, v in fn(keras.ops.convert_to_tensor(x)).items()}
+    std = np.sqrt(expected["m2"] / x.size)
+    # The mean's error against the spread (at ratio 0 the mean itself is ~0).
+    assert abs(parts["mean"][0] - expected["mean"]) < 2e-6 * max(std, abs(expected["mean"]))
+    assert abs(parts["m2"][0] / expected["m2"] - 1) < 2e-6
