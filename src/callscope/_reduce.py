@@ -35,6 +35,7 @@ from keras import ops
 
 _TORCH = keras.backend.backend() == "torch"
 _JAX = keras.backend.backend() == "jax"
+_TF = keras.backend.backend() == "tensorflow"
 STATS = ("mean", "std", "min", "max", "absmax", "rms", "frac_zero", "hist",
          "nan_count", "inf_count")
 # Partials: n (finite elements), mean, m2 and qm (root mean square) over finite
@@ -119,32 +120,47 @@ def partials(value, stats, bins=32, hist_range=None):
         # Given the flat `x`, a `cond` branch made XLA on a CPU compute the
         # layer's output twice (see `_centred_partials`), so each branch
         # flattens the tensor itself.
-        if _JAX and "m2" in needed:
-            out = _dot_partials(x, needed, bins, hist_range,
-                                lambda: _centred_partials(flat(), flat, needed, bins, hist_range))
+        if "m2" in needed:
+            out = _one_pass_partials(x, needed, bins, hist_range,
+                                     lambda: _centred_partials(flat(), flat, needed, bins, hist_range))
         else:
             out = _centred_partials(x, flat, needed, bins, hist_range)
     return {k: ops.expand_dims(v, 0) for k, v in out.items()}
 
 
-def _dot_partials(x, needed, bins, hist_range, otherwise):
-    """JAX: `partials` of a flat float32 tensor with M2 from one pass, the sum of
-    squares (a dot product) less total * mean, where every element is finite (the
-    sum of squares is) and that cancels at most half of it (the variance is at
-    least the mean squared): a part in 2**23 of M2, about float32's rounding of a
-    sum. Elsewhere `otherwise()`, the corrected two-pass sums about the mean. On
-    XLA's CPU a dot product is a vectorised library call where a reduction is
-    not: 8 points of 256 x 512 took 0.33 against 0.56 ms (`mean`, `std`,
-    `frac_zero`), and statistics in a compiled fit went from 1.10 to 1.04 times
-    plain fit (`bench/capture.py`, figure 4). torch does the same
-    (`_torch_finite_partials`). TF's dot product sums in one float32 accumulator
-    (M2 off by 2e-5 where this is 1e-7), and saved less there."""
-    total, squares = ops.sum(x), ops.dot(x, x)
+def _one_pass_partials(x, needed, bins, hist_range, otherwise):
+    """`partials` of a flat float32 tensor with M2 from one pass, the sum of
+    squares less total * mean, where every element is finite (the sum of squares
+    is) and that cancels at most half of it (the variance is at least the mean
+    squared): a part in 2**23 of M2, about float32's rounding of a sum. Elsewhere
+    `otherwise()`, the corrected two-pass sums about the mean (`_centred_partials`).
+    Against those, statistics in a compiled fit went from 1.10 to 1.04 times plain
+    fit on JAX (`bench/capture.py`, figure 4, 31 pairs); on TF the kernels took
+    half the time (see `_sum_of_squares`), which its fit's noise hides. torch
+    does the same (`_torch_finite_partials`)."""
+    total, squares = ops.sum(x), _sum_of_squares(x)
     size = ops.cast(ops.shape(x)[0], "float32")
-    mean = total / size
+    mean = total / ops.maximum(size, 1.0)
     m2 = squares - total * mean
     finite = _finite_partials(x, {"total": total}, needed, bins, hist_range, moments=(mean, m2))
     return _picked({"squares": squares}, finite, otherwise, also=(2.0 * m2 >= squares,))
+
+
+def _sum_of_squares(x):
+    """The sum of the squares of a flat float32 tensor, in one pass where the
+    backend has one: on XLA's CPU a dot product is a vectorised library call
+    where its reductions are not (8 points of 256 x 512: 0.33 against 0.56 ms
+    for `mean`, `std` and `frac_zero`); TF's `l2_loss` is one fused kernel where
+    a square and a sum are two ops and two passes over the tensor (0.72 against
+    1.38 ms). Both are as exact as a sum (5e-8 against float64 here). TF's own
+    dot product is not: it sums in one float32 accumulator (2e-5)."""
+    if _JAX:
+        return ops.dot(x, x)
+    if _TF:
+        import tensorflow as tf
+
+        return 2.0 * tf.nn.l2_loss(x)
+    return ops.sum(ops.square(x))
 
 
 def _centred_partials(x, flat, needed, bins, hist_range):
@@ -173,7 +189,8 @@ def _centred_partials(x, flat, needed, bins, hist_range):
     sums, fits = {}, ()
     if "qm" in needed:
         largest = ops.max(ops.abs(x))
-        sums["squares"] = ops.sum(ops.square(x))
+        # (JAX fuses this sum with the largest |value| above: no dot product.)
+        sums["squares"] = _sum_of_squares(x) if _TF else ops.sum(ops.square(x))
         size = ops.cast(ops.shape(x)[0], "float32")
         fits = (ops.square(largest) >= size * 2.0**-96,)
     if "mean" in needed or not sums:
@@ -298,9 +315,9 @@ def _finite_partials(x, sums, needed, bins, hist_range, scale=None, moments=None
     if "absmax" in needed:
         out["absmax"] = ops.max(ops.abs(x))
     if "nzero" in needed:
-        # |sign(x)| is 1 for a non-zero x, 0 for zero: a count without a compare
+        # sign(x)**2 is 1 for a non-zero x, 0 for zero: a count without a compare
         # (a float sum of 0s and 1s, exact below 2**24 elements as `_count`'s cast).
-        out["nzero"] = size - ops.sum(ops.abs(ops.sign(x)))
+        out["nzero"] = size - _sum_of_squares(ops.sign(x))
     for name in ("nnan", "ninf"):
         if name in needed:
             out[name] = ops.zeros((), "float32")
