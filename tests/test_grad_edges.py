@@ -653,3 +653,66 @@ def test_points_inside_a_checkpoint_are_loop_points(how, run_eagerly):
                        r"`c/inner` instead"):
         with cs.capture(model, ["c/inner/d1"], kinds=("grad",)):
             model.fit(X, Y, batch_size=len(X), epochs=1, shuffle=False, verbose=0)
+    # The body's layers are not noted as points of their own when a backward pass
+    # runs it again (TF's `recompute_grad`, torch's checkpoint): error messages
+    # list the model's points only.
+    if how == "keras":
+        assert "d1" not in model._cs_known_points()
+
+
+class _SowingCheckpointed(_Checkpointed):
+    """The body's first layer sows a value, and the body's output is a tuple."""
+
+    def call(self, x):
+        def body(t):
+            h = self.d1(t)
+            return cs.sow(self.d1, "twice", h * 2.0), self.d2(h)
+
+        if self.how is None:
+            first, second = body(x)
+        else:
+            first, second = _backend_checkpoint(body)(x)
+        return first + second
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="torch's own checkpoint keeps its points")
+@pytest.mark.parametrize("how_run", ["fit", "train_on_batch", "custom_loop"])
+def test_a_patch_inside_a_torch_checkpoint_applies_to_its_recompute_too(how_run):
+    """torch runs a checkpoint's function again in the backward pass, each layer
+    on its own: the patches applied in the forward pass apply there again, or
+    the gradients are those of the unpatched model. Against the same model
+    without the checkpoint, same weights and patches: the same updates."""
+    import torch
+
+    def build(how):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((3,))
+        h = _SowingCheckpointed(how, name="inner")(inputs)
+        model = cs.Model(inputs, keras.layers.Dense(1, name="head")(h), name="c")
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        return model
+
+    patches = {"c/inner/d1": lambda v: v * 3.0 + 1.0, "c/inner/d1/twice": lambda v: -v}
+    if how_run == "train_on_batch":  # (only there does a patch get the batch)
+        patches["c/inner/d2"] = lambda v, batch: v + keras.ops.cast(batch.rows, v.dtype)
+    weights = {}
+    for how in (None, "backend"):
+        model = build(how)
+        with cs.patch(model, patches):
+            if how_run == "fit":
+                model.fit(X, Y, batch_size=len(X), epochs=2, shuffle=False, verbose=0)
+            elif how_run == "train_on_batch":
+                model.train_on_batch(X, Y)
+                model.train_on_batch(X, Y)
+            else:  # a custom loop: the backward pass runs after the call returned
+                loss = ((model(torch.as_tensor(X)) - torch.as_tensor(Y)) ** 2).mean()
+        if how_run == "custom_loop":
+            loss.backward()
+            weights[how] = [w.value.grad.numpy().copy() for w in model.trainable_weights]
+        else:
+            weights[how] = [numpy(w) for w in model.get_weights()]
+        assert "d1" not in model._cs_known_points()
+    moved = [np.abs(a - w).max() for a, w in zip(weights[None], build(None).get_weights())]
+    assert how_run == "custom_loop" or min(moved) > 1e-4  # every weight was updated
+    for a, b in zip(weights[None], weights["backend"]):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)

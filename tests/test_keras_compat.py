@@ -118,3 +118,16 @@ def test_a_checkpoint_body_is_counted_and_tf_recording_stopped_is_seen():
         tf.recompute_grad(lambda x: seen.append(_keras_compat.tf_recording_stopped()) or x)(
             tf.ones((2,)))
         assert seen == [True], "tensorflow changed how recompute_grad runs its body"
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="torch's autograd engine")
+def test_torch_backward_is_seen_where_a_checkpoint_recomputes():
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    seen = []
+    x = torch.ones(2, requires_grad=True)
+    checkpoint(lambda t: seen.append(_keras_compat.in_torch_backward()) or t.sin(), x,
+               use_reentrant=False).sum().backward()
+    assert seen == [False, True], f"torch {torch.__version__} changed: {seen}"
+    assert not _keras_compat.in_torch_backward()

@@ -256,6 +256,12 @@ def trace_marker():
     return depth, None
 
 
+def marks_loop(marker) -> bool:
+    """Does `trace_marker()`'s `marker` say Python runs inside a `keras.ops` loop,
+    branch or checkpoint, or (TF) with gradient recording stopped?"""
+    return marker[0] > 0 or (BACKEND == "tensorflow" and marker[2])
+
+
 def check_same_shape(out, value, message: str):
     """`out` if it has `value`'s structure and shape; else a ValueError (`message`
     takes `{got}` and `{want}`). Where TF does not know a dimension while tracing,

@@ -627,6 +627,15 @@ def tf_recording_stopped() -> bool:
     return bool(pywrap_tfe.TFE_Py_TapeSetIsStopped())
 
 
+def in_torch_backward() -> bool:
+    """torch: is autograd's engine running a backward pass on this thread (a
+    checkpoint's recompute runs there)? (torch 2.13.0: `_current_graph_task_id`
+    is -1 outside one, the only way to ask.)"""
+    import torch
+
+    return torch._C._current_graph_task_id() != -1
+
+
 def is_graph_model(layer) -> bool:
     """A Functional or Sequential model: its layers' names are part of its config,
     so they come back the same from `load_model` (keras 3.15.1:

@@ -165,6 +165,8 @@ class Collector:
         self.manual = False  # cs.intermediate_grads takes the gradients itself
         self.discovery = False  # cs.points / cs.summary: any value is listed as it is
         self.rows = None  # the root call's batch size (patches that take the batch)
+        # torch, eagerly: point -> the patch applied there (`RecordingCall.replay`)
+        self.applied = {} if _TORCH and not _backend.is_tracing_now() else None
         self.inputs = None  # _inputs.Reader in a compiled step: ranges found are inputs
         # Makes a gradient source differentiable (TF: tape.watch; torch: a leaf
         # that requires grad) and returns the value the forward pass goes on with.
@@ -209,7 +211,10 @@ class Collector:
     def in_loop(self, marker) -> bool:
         """Is a value made now, under `marker`, inside a loop of the layer calling?"""
         if not self.stack:
-            return False
+            # A call at the top of the step inside a loop body, or the re-run of
+            # a checkpoint's body in TF's backward pass (`keras.remat`): that of
+            # layers seen inside a loop in the forward pass, never the model's own.
+            return _backend.marks_loop(marker)
         top = self.stack[-1]
         return top.in_loop or top.runs_loop or top.marker != marker
 
@@ -506,6 +511,11 @@ def sow(layer: keras.layers.Layer, name: str, value: Any) -> Any:
     """
     check_sow_name(name)
     collector = active_collector()
+    last = _replayed(layer, collector)
+    if last is not None:  # a recompute in torch's backward pass (`RecordingCall.replay`)
+        patches, point, applied = last
+        found = applied.get(f"{point}/{name}")
+        return value if found is None else patches.run(found, value)
     if collector is None or isinstance(value, keras.KerasTensor):
         return value
     point = collector.sown_point(layer, name)
@@ -588,6 +598,10 @@ class RecordingCall:
         self.__wrapped__ = original
         self.local = None  # its own part of its point (`_points.local_name`)
         self._parameters = None
+        # torch: (patches, point, applied) of the layer's last recorded call, for
+        # a recompute of it in the backward pass (`replay`); None after a call
+        # that recorded nothing.
+        self.last = None
 
     @property
     def __signature__(self):
@@ -598,6 +612,11 @@ class RecordingCall:
     def __call__(self, *args, **kwargs):
         original = self.__wrapped__
         collector = _ACTIVE.collector
+        if self.last is not None and (collector is None or not collector.stack):
+            if _keras_compat.in_torch_backward():
+                return self.replay(args, kwargs)
+            if collector is None:
+                self.last = None
         if collector is None or _symbolic(args, kwargs):
             return original(*args, **kwargs)
         layer = self.layer
@@ -605,6 +624,8 @@ class RecordingCall:
             return original(*args, **kwargs)
         point = collector.name(layer, self.local)
         patches = _ACTIVE.patches
+        if collector.applied is not None:
+            self.last = (patches, point, collector.applied)
         marker = _backend.trace_marker()
         depth = len(collector.stack)
         if collector.in_loop(marker):
@@ -627,6 +648,30 @@ class RecordingCall:
         finally:
             collector.stack.pop()
         return _record_outputs(collector, patches, point, layer, outputs, depth)
+
+    def replay(self, args, kwargs):
+        """The layer's call again, in torch's backward pass: a checkpoint's
+        recompute (`torch.utils.checkpoint` runs the function again there, on this
+        thread or autograd's, with none of its callers' calls around it). The
+        patches its last call applied apply again, at the same points, so that
+        the recompute, from which torch takes the gradients, is the forward pass;
+        nothing is recorded (the forward pass was). Before, the recompute ran
+        unpatched: a patched fit's updates were silently those of another model."""
+        patches, point, applied = self.last
+        outputs = self.__wrapped__(*args, **kwargs)
+        if patches is None or not applied:
+            return outputs
+        if point in applied:
+            outputs = patches.run(applied[point], outputs)
+        if _is_tensor(outputs):
+            return outputs
+        flat = keras.tree.flatten_with_path(outputs)
+        values = [v for _, v in flat]
+        for i, (path, value) in enumerate(flat):
+            child = "/".join([point, *map(str, path)])
+            if child in applied and _is_tensor(value):
+                values[i] = patches.run(applied[child], value)
+        return keras.tree.pack_sequence_as(outputs, values)
 
     def _record_inputs(self, collector, point, args, kwargs):
         named = self._arguments(args, kwargs)
@@ -659,6 +704,16 @@ class RecordingCall:
                     if _is_tensor(leaf):
                         named.append(("/".join([label, *map(str, path)]), leaf))
         return named
+
+
+def _replayed(layer, collector):
+    """The last call of `layer` (`RecordingCall.last`) where it is being recomputed
+    in torch's backward pass; None elsewhere."""
+    if not _TORCH or (collector is not None and collector.stack):
+        return None
+    wrapper = _keras_compat.get_instance_attribute(layer, "call")
+    last = getattr(wrapper, "last", None)
+    return last if last is not None and _keras_compat.in_torch_backward() else None
 
 
 def _is_tensor(value) -> bool:
@@ -791,9 +846,16 @@ class Patches:
         return None
 
     def apply(self, point: str, value: Any, layer=None, own=None) -> Any:
-        found = self.find(point, _ACTIVE.collector, layer, own)
+        collector = _ACTIVE.collector
+        found = self.find(point, collector, layer, own)
         if found is None:
             return value
+        if collector is not None and collector.applied is not None:
+            collector.applied[point] = found  # for a recompute (`RecordingCall.replay`)
+        return self.run(found, value)
+
+    def run(self, found: tuple, value: Any) -> Any:
+        """`value` patched by `found` (`find`'s answer)."""
         owner, name, fn = found
         self.hits.add((owner, name))
         dynamic = self._values(owner, name, fn)

@@ -121,8 +121,10 @@ def partials(value, stats, bins=32, hist_range=None):
         # layer's output twice (see `_centred_partials`), so each branch
         # flattens the tensor itself.
         if "m2" in needed:
-            out = _one_pass_partials(x, needed, bins, hist_range,
-                                     lambda: _centred_partials(flat(), flat, needed, bins, hist_range))
+            def centred():
+                return _centred_partials(flat(), flat, needed, bins, hist_range)
+
+            out = _one_pass_partials(x, needed, bins, hist_range, centred)
         else:
             out = _centred_partials(x, flat, needed, bins, hist_range)
     return {k: ops.expand_dims(v, 0) for k, v in out.items()}
