@@ -165,8 +165,8 @@ class Collector:
         self.manual = False  # cs.intermediate_grads takes the gradients itself
         self.discovery = False  # cs.points / cs.summary: any value is listed as it is
         self.rows = None  # the root call's batch size (patches that take the batch)
-        # torch, eagerly: point -> the patch applied there (`RecordingCall.replay`)
-        self.applied = {} if _TORCH and not _backend.is_tracing_now() else None
+        # torch: point -> the patch applied there, eagerly (`RecordingCall.replay`)
+        self.applied = {} if _TORCH else None
         self.inputs = None  # _inputs.Reader in a compiled step: ranges found are inputs
         # Makes a gradient source differentiable (TF: tape.watch; torch: a leaf
         # that requires grad) and returns the value the forward pass goes on with.
@@ -612,7 +612,8 @@ class RecordingCall:
     def __call__(self, *args, **kwargs):
         original = self.__wrapped__
         collector = _ACTIVE.collector
-        if self.last is not None and (collector is None or not collector.stack):
+        if self.last is not None and (collector is None or not collector.stack) and (
+                not _backend.is_tracing_now()):
             if _keras_compat.in_torch_backward():
                 return self.replay(args, kwargs)
             if collector is None:
@@ -624,7 +625,9 @@ class RecordingCall:
             return original(*args, **kwargs)
         point = collector.name(layer, self.local)
         patches = _ACTIVE.patches
-        if collector.applied is not None:
+        if collector.applied is not None and not _backend.is_tracing_now():
+            # (Not under torch.compile: a write there recompiles per layer, and
+            # AOTAutograd's backward reruns no Python.)
             self.last = (patches, point, collector.applied)
         marker = _backend.trace_marker()
         depth = len(collector.stack)
@@ -709,7 +712,7 @@ class RecordingCall:
 def _replayed(layer, collector):
     """The last call of `layer` (`RecordingCall.last`) where it is being recomputed
     in torch's backward pass; None elsewhere."""
-    if not _TORCH or (collector is not None and collector.stack):
+    if not _TORCH or (collector is not None and collector.stack) or _backend.is_tracing_now():
         return None
     wrapper = _keras_compat.get_instance_attribute(layer, "call")
     last = getattr(wrapper, "last", None)
@@ -850,7 +853,8 @@ class Patches:
         found = self.find(point, collector, layer, own)
         if found is None:
             return value
-        if collector is not None and collector.applied is not None:
+        if (collector is not None and collector.applied is not None
+                and not _backend.is_tracing_now()):
             collector.applied[point] = found  # for a recompute (`RecordingCall.replay`)
         return self.run(found, value)
 
