@@ -587,20 +587,23 @@ def mark_loops() -> None:
             continue
         setattr(core, name, _counted(loop))
     # `keras.remat(f)` (keras 3.15.1: backend/common/remat.py calls
-    # `backend.core.remat(f)` when it wraps f): the body of a checkpoint counts as a
-    # loop body. JAX traces it apart (its values cannot leave it), TF's
-    # `recompute_grad` runs it unrecorded (a gradient of a value inside read 0),
-    # and torch runs it again in the backward pass; so on every backend its layers
-    # are points of the enclosing layer's loop, never silently wrong ones.
-    remat = getattr(core, "remat", None)
-    if remat is not None and not getattr(remat, "_callscope_loop", False):
+    # `backend.core.remat(f)` when it wraps f; keras-nightly 3.16.0.dev2026102704:
+    # `backend.ops.remat(f)`): the body of a checkpoint counts as a loop body. JAX
+    # traces it apart (its values cannot leave it), TF's `recompute_grad` runs it
+    # unrecorded (a gradient of a value inside read 0), and torch runs it again in
+    # the backward pass; so on every backend its layers are points of the
+    # enclosing layer's loop, never silently wrong ones.
+    for home in dict.fromkeys([core, getattr(backend, "ops", None)]):
+        remat = getattr(home, "remat", None)
+        if remat is None or getattr(remat, "_callscope_loop", False):
+            continue
 
         @functools.wraps(remat)
         def counted_remat(f, _remat=remat):
             return _remat(_counted(f))  # the body, wherever the checkpoint runs it
 
         counted_remat._callscope_loop = True
-        core.remat = counted_remat
+        home.remat = counted_remat
 
 
 def _counted(f):
