@@ -613,12 +613,12 @@ class _Checkpointed(keras.layers.Layer):
         return (keras.remat(body) if self.how == "keras" else _backend_checkpoint(body))(x)
 
 
-def _checkpointed(how):
+def _checkpointed(how, layer=None, learning_rate=0.0):
     keras.utils.set_random_seed(0)
     inputs = keras.Input((3,))
-    h = _Checkpointed(how, name="inner")(inputs)
+    h = (layer or _Checkpointed)(how, name="inner")(inputs)
     model = cs.Model(inputs, keras.layers.Dense(1, name="head")(h), name="c")
-    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+    model.compile(optimizer=keras.optimizers.SGD(learning_rate), loss="mse")
     return model
 
 
@@ -685,12 +685,7 @@ def test_a_patch_inside_a_torch_checkpoint_applies_to_its_recompute_too(how_run)
     import torch
 
     def build(how):
-        keras.utils.set_random_seed(0)
-        inputs = keras.Input((3,))
-        h = _SowingCheckpointed(how, name="inner")(inputs)
-        model = cs.Model(inputs, keras.layers.Dense(1, name="head")(h), name="c")
-        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
-        return model
+        return _checkpointed(how, _SowingCheckpointed, learning_rate=0.1)
 
     patches = {"c/inner/d1": lambda v: v * 3.0 + 1.0, "c/inner/d1/twice": lambda v: -v}
     if how_run == "train_on_batch":  # (only there does a patch get the batch)
