@@ -134,12 +134,15 @@ def run_backend(repeats, only=()):
                    repeats)
         rows.append(("capture 8 blocks vs functional multi-output", f, "target <= 1.05"))
 
-        def eager_loop():
+        def eager_loop():  # the same work: every block's rows to numpy
             outs = [multi(x[i:i + BATCH]) for i in range(0, ROWS, BATCH)]
-            return [keras.ops.convert_to_numpy(o[1]) for o in outs]
+            return [[keras.ops.convert_to_numpy(h) for h in o[1:]] for o in outs]
 
         f = paired(eager_loop, capture_all, max(7, repeats // 2))  # 7: a 95% interval
-        rows.append(("speed-up of capture over an eager batch loop", f, "target >= 1.5"))
+        # On a GPU the eager loop's op-by-op dispatch is what the compiled step
+        # saves (the issue's target there is 5); on a CPU its arithmetic is the same.
+        target = "target >= 5" if _on_accelerator(keras) else "target >= 1.5"
+        rows.append(("speed-up of capture over an eager batch loop", f, target))
 
     # 4-7 fit the same plain model.
     inputs, _, outputs = _build(keras, cs, with_sow=False)
@@ -188,6 +191,22 @@ def run_backend(repeats, only=()):
 
     print(table(f"{keras.backend.backend()} (keras {keras.__version__}, {repeats} repeats)",
                 rows))
+
+
+def _on_accelerator(keras) -> bool:
+    """True where the backend computes on a GPU (or another accelerator)."""
+    backend = keras.backend.backend()
+    if backend == "jax":
+        import jax
+
+        return jax.devices()[0].platform != "cpu"
+    if backend == "torch":
+        import torch
+
+        return torch.cuda.is_available()
+    import tensorflow as tf
+
+    return bool(tf.config.list_physical_devices("GPU"))
 
 
 def _resident_mib() -> tuple:
