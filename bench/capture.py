@@ -18,11 +18,7 @@ interleaved repeats after a warm-up):
    4x -> 16x), as a user sees it and with glibc's heap slack left out, beside
    the same capture held in memory: a control that the measure sees growth;
 7. 4 again with the statistics kernels replaced by a constant: what the rest of
-   the capture costs (a diagnostic; its values are wrong);
-8. 2 with its steps landed the other way (a diagnostic): on a GPU in the loop,
-   as on a CPU; on a CPU on a thread, as on a GPU (`_sinks.LAND_ON_THREAD`);
-9. 4 with its partials picked the other way (a diagnostic): on a GPU by a
-   `cond`, as on a CPU; on a CPU by `where`, as on a GPU (`_reduce.SELECT`).
+   the capture costs (a diagnostic; its values are wrong).
 
 Usage:
     python bench/capture.py                  # jax, tensorflow, torch
@@ -104,7 +100,7 @@ def run_backend(repeats, only=()):
         rows.append(("control: the same, fit epoch", f, "the noise"))
 
     # 2-3. full capture of every block vs the functional multi-output model.
-    if wanted(2, 3, 8):
+    if wanted(2, 3):
         inputs, hidden, outputs = _build(keras, cs, with_sow=False)
         multi = compiled(keras.Model(inputs, [outputs, *hidden]))
         ours = compiled(cs.Model(inputs, outputs))
@@ -142,27 +138,13 @@ def run_backend(repeats, only=()):
             outs = [multi(x[i:i + BATCH]) for i in range(0, ROWS, BATCH)]
             return [[keras.ops.convert_to_numpy(h) for h in o[1:]] for o in outs]
 
-        if wanted(8):
-            from callscope import _sinks
-
-            _sinks.LAND_ON_THREAD = not _on_accelerator(keras)
-            try:
-                f = paired(capture_all, lambda: ours.predict(x, batch_size=BATCH, verbose=0),
-                           repeats)
-            finally:
-                _sinks.LAND_ON_THREAD = None
-            where = "in the loop" if _on_accelerator(keras) else "on a thread"
-            rows.append((f"  2 with its steps landed {where}", f, "diagnostic"))
-
         f = paired(eager_loop, capture_all, max(7, repeats // 2))  # 7: a 95% interval
         # On a GPU the eager loop's op-by-op dispatch is what the compiled step
         # saves (the target there is 5); on a CPU its arithmetic is the same.
         target = "target >= 5" if _on_accelerator(keras) else "target >= 1.5"
         rows.append(("speed-up of capture over an eager batch loop", f, target))
 
-    from callscope import _reduce
-
-    # 4-9 fit the same plain model.
+    # 4-7 fit the same plain model.
     inputs, _, outputs = _build(keras, cs, with_sow=False)
     plain = compiled(cs.Model(inputs, outputs))
 
@@ -185,22 +167,12 @@ def run_backend(repeats, only=()):
                    repeats)
         rows.append(("grad + output stats of 8 blocks in fit vs plain", f, "target <= 1.15"))
 
-    # 9. 4 with the partials picked the other way.
-    if wanted(9):
-        _reduce.SELECT = not _on_accelerator(keras)
-        try:
-            compiled(plain)  # drops the steps traced the default way
-            f = paired(stats_fit, lambda: plain.fit(x, y, batch_size=BATCH, verbose=0), repeats)
-            how = "a cond" if _on_accelerator(keras) else "where"
-            rows.append((f"  4 with its partials picked by {how}", f, "diagnostic"))
-        finally:
-            _reduce.SELECT = None
-            compiled(plain)
-
     # 7. What bounds 4: the same capture with the statistics kernels replaced
     # by a constant (a diagnostic: the values are wrong). What is left is the cost
     # of carrying the partials out of the step and merging them on the host.
     if wanted(7):
+        from callscope import _reduce
+
         kernels = _reduce.partials
 
         def constant_partials(value, stats, bins=32, hist_range=None):

@@ -26,8 +26,8 @@ python3 -c "import importlib, keras, numpy; b = keras.backend.backend()
 print(b, importlib.import_module(b).__version__, 'keras', keras.__version__,
       'numpy', numpy.__version__)" 2>&1 | tee -a "$log"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee -a "$log"
-run capture 150 capture.py --backend "$backend" --only 2,3,8 --repeats "$repeats"
-run fit-rows 120 capture.py --backend "$backend" --only 4,5,9 --repeats "$repeats"
+run capture 150 capture.py --backend "$backend" --only 2,3 --repeats "$repeats"
+run fit-rows 120 capture.py --backend "$backend" --only 4,5 --repeats "$repeats"
 run buffers 60 buffers.py --repeats "$repeats"
 run context 60 context_overhead.py --backend "$backend" --repeats "$repeats"
 run sweep 40 sweep.py

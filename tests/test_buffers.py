@@ -68,23 +68,13 @@ def test_device_memory_stays_flat_while_batches_grow_4x(jit_compile):
                                        atol=1e-5)
             assert isinstance(cap["m/wide:output"], np.ndarray)
     # At most one step's arrays are on their way (JAX lands one step late, so the
-    # device runs ahead); TF and torch on the CPU land at once. Where a thread
-    # lands (an accelerator's copies), at most `FULL_AHEAD` steps'.
-    ahead = (_sinks.FULL_AHEAD if _sinks.LAND_ON_THREAD and BACKEND != "torch"
-             else 1 if BACKEND == "jax" else 0)
+    # device runs ahead); TF and torch on the CPU land at once.
     arrays = max(h for h, _ in held[32])
-    threaded = _sinks.LAND_ON_THREAD and BACKEND != "torch"  # (see `_lands_on_thread`)
-    if threaded:  # the thread lands as it goes: up to the bound, whatever the steps
-        assert max(h for h, _ in held[8]) <= ahead and arrays <= ahead
-    else:
-        assert arrays == ahead
-        assert max(h for h, _ in held[32]) == max(h for h, _ in held[8])
+    assert arrays == (1 if BACKEND == "jax" else 0)
+    assert max(h for h, _ in held[32]) == max(h for h, _ in held[8])
     if BACKEND == "jax":
         peak_8, peak_32 = (max(b for _, b in held[s]) for s in (8, 32))
-        # the steps on their way, and the step that has just returned
-        bound = (ahead + 1) * batch * WIDE * 4
-        assert (peak_32 <= bound and peak_8 <= bound) if threaded else (
-            peak_32 <= peak_8 <= bound)
+        assert peak_32 <= peak_8 <= 2 * batch * WIDE * 4  # one step's, twice at most
         assert _captured_bytes_on_device(batch) == 0  # all landed when the call ended
 
 
@@ -121,9 +111,7 @@ def test_statistics_only_steps_land_without_making_fit_wait_for_each_step():
         model.fit(x, y, batch_size=batch, shuffle=False, verbose=0, callbacks=[probe])
     held = probe.held
     assert len(held) == steps
-    if _sinks.LAND_ON_THREAD and BACKEND != "torch":  # the thread lands each row
-        assert max(held) <= _sinks.STATS_AHEAD
-    elif BACKEND == "jax":  # one packed array a step; some steps' rows waited together
+    if BACKEND == "jax":  # one packed array a step; some steps' rows waited together
         assert max(held) <= _sinks.STATS_AHEAD
         if _backend._jax_on_host():  # a GPU may finish each step before the next
             assert max(held) >= 2
@@ -142,7 +130,6 @@ def test_statistics_rows_wait_no_more_than_their_bound_and_land_in_order(monkeyp
     # rows wait until the bound, then land first in, first out; all of them
     # by the end of the call, each the step it came from.
     monkeypatch.setattr(_backend, "is_ready", lambda handles: False)
-    monkeypatch.setattr(_sinks, "LAND_ON_THREAD", False)  # the loop's own landing
     model, batch = _model(), 2
     steps = _sinks.STATS_AHEAD + 6
     x = rng.normal(size=(steps * batch, 8)).astype("float32")
@@ -650,88 +637,3 @@ def test_a_step_traced_with_other_points_gives_every_key_its_own_rows(jit_compil
     gave_up = not any(isinstance(b, _sinks.Columns) for r in cap.calls[0]._steps.values()
                       for b in r.values())
     assert gave_up == (len(split) == 2) == (BACKEND != "tensorflow")
-
-
-# --------------------------------------------------------------------------
-# Landing on a thread (what a GPU's copies take; forced here on a CPU)
-# --------------------------------------------------------------------------
-def _landers():
-    return [t for t in threading.enumerate() if t.name == "callscope-lander"]
-
-
-@pytest.fixture
-def on_thread(monkeypatch):
-    """Every run lands on its thread, as where values are copied from a GPU. Not
-    torch's host tensors (read in place: see `Landing._lands_on_thread`)."""
-    monkeypatch.setattr(_sinks, "LAND_ON_THREAD", True)
-    return BACKEND != "torch"
-
-
-@pytest.mark.parametrize("jit_compile", JIT)
-def test_a_thread_lands_full_tensors_in_order_while_the_loop_reads(on_thread, jit_compile):
-    model, batch, steps = _model(jit_compile), 8, 40
-    x = rng.normal(size=(steps * batch, 8)).astype("float32")
-    reference = _wide(model, x)
-    threads = set()
-    with cs.capture(model, "*/wide") as cap:
-        def read(b):  # a read during the run: every step so far, landed whole
-            threads.update(t.ident for t in _landers())
-            rows = cap.calls[-1]["m/wide:output"]
-            held = cap.calls[-1]._landing.held()
-            return rows.shape[0], held, np.array_equal(rows, reference[:len(rows)])
-
-        probe = _EachBatch(read)
-        model.predict(x, batch_size=batch, verbose=0, callbacks=[probe])
-    np.testing.assert_allclose(cap["m/wide:output"], reference, rtol=1e-5, atol=1e-5)
-    assert [rows for rows, _, _ in probe.seen] == [(b + 1) * batch for b in range(steps)]
-    assert all(same for _, _, same in probe.seen)
-    assert all(held == 0 for _, held, _ in probe.seen)  # a read lands what is on its way
-    assert len(threads) == (1 if on_thread else 0)  # one thread for the run
-    assert not _landers()  # and it is gone when the run ends
-
-
-def test_a_thread_lands_statistics_rows_of_fit_each_its_own_step(on_thread):
-    model, batch, steps = _model(), 4, 3 * _sinks.STATS_AHEAD // 2
-    x = rng.normal(size=(steps * batch, 8)).astype("float32")
-    y = rng.normal(size=(len(x), 1)).astype("float32")
-    with cs.capture(model, "*/wide", reduce=("mean", "max")) as stats:
-        model.fit(x, y, batch_size=batch, shuffle=False, verbose=0)
-    wide = _per_batch(_wide(model, x), batch)
-    np.testing.assert_allclose(stats["m/wide:output/mean"], [b.mean() for b in wide],
-                               rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(stats["m/wide:output/max"], [b.max() for b in wide], rtol=1e-6)
-    assert not _landers()
-
-
-def test_a_thread_is_stopped_and_what_landed_kept_when_fit_raises(on_thread):
-    class Boom(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            if batch == 5:
-                raise RuntimeError("boom at batch 5")
-
-    model, batch = _model(), 4
-    x = rng.normal(size=(12 * batch, 8)).astype("float32")
-    y = rng.normal(size=(len(x), 1)).astype("float32")
-    with pytest.raises(RuntimeError, match="boom at batch 5"):
-        with cs.capture(model, "*/wide", kinds=("output",)) as cap:
-            model.fit(x, y, batch_size=batch, shuffle=False, verbose=0, callbacks=[Boom()])
-    assert not _landers()
-    np.testing.assert_allclose(cap["m/wide:output"], _wide(model, x[:6 * batch]),
-                               rtol=1e-5, atol=1e-5)
-    # The model runs on, with nothing of that run left behind.
-    with cs.capture(model, "*/wide") as again:
-        model.predict(x, batch_size=batch, verbose=0)
-    np.testing.assert_allclose(again["m/wide:output"], _wide(model, x), rtol=1e-5, atol=1e-5)
-    assert not _landers()
-
-
-def test_a_writer_error_on_the_thread_surfaces_in_the_caller(on_thread, tmp_path):
-    model, batch = _model(), 4
-    x = rng.normal(size=(12 * batch, 8)).astype("float32")
-    target = tmp_path / "caps"
-    with pytest.raises(_writer.WriteError, match="could not write its files"):
-        with cs.capture(model, ("*/wide", "*/out"), to=target):
-            os.makedirs(target / "call_000")
-            (target / "call_000" / "0001.bin").write_bytes(b"not ours")
-            model.predict(x, batch_size=batch, verbose=0)
-    assert not _landers()

@@ -25,16 +25,6 @@ RMS_SETS = [("rms", "absmax"), ("rms", "mean", "frac_zero")]
 FINITE_STATS = ("mean", "std", "rms", "min", "max", "absmax", "frac_zero")
 
 
-@pytest.fixture(autouse=True, params=["cond", "where"])
-def picking(request, monkeypatch):
-    """Every test twice: the unmasked partials picked by an `ops.cond` (a CPU's
-    way) and by `where` over both branches (a GPU's way, see `_reduce._picked`)."""
-    if request.param == "where" and BACKEND == "torch":
-        pytest.skip("torch picks on the host (`_reduce._torch_partials`)")
-    monkeypatch.setattr(_reduce, "SELECT", request.param == "where")
-    return request.param
-
-
 def _data():
     """10 rows of 4: a first batch (of 3) with no finite value, then NaN, +inf and
     -inf scattered among finite values, zeros and values outside RANGE."""

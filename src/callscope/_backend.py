@@ -486,30 +486,6 @@ def copy_rows(into: np.ndarray, rows: np.ndarray) -> None:
     into[...] = rows
 
 
-@functools.cache
-def on_accelerator() -> bool:
-    """True where the backend computes on a GPU (or another accelerator)."""
-    if BACKEND == "jax":
-        return not _jax_on_host()
-    if BACKEND == "torch":
-        import torch
-
-        return torch.cuda.is_available()
-    import tensorflow as tf
-
-    return bool(tf.config.list_logical_devices("GPU"))
-
-
-def copies_from_device(leaves: list) -> bool:
-    """True where captured values live in an accelerator's memory (a GPU's), so
-    that landing them is a device-to-host copy; False where they are host memory."""
-    if BACKEND == "jax":
-        return not _jax_on_host()
-    if BACKEND == "torch":
-        return any(getattr(leaf, "is_cuda", False) for leaf in leaves)
-    return any("CPU" not in getattr(leaf, "device", "CPU").upper() for leaf in leaves)
-
-
 def copy_lags(leaves: list) -> bool:
     """True where reading a step's values at once would wait for the device: they
     then land later (`_sinks.Landing`), so the device runs ahead (JAX's dispatch is always

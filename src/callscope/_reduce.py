@@ -33,8 +33,6 @@ import keras
 import numpy as np
 from keras import ops
 
-from callscope import _backend
-
 _TORCH = keras.backend.backend() == "torch"
 _JAX = keras.backend.backend() == "jax"
 _TF = keras.backend.backend() == "tensorflow"
@@ -204,23 +202,12 @@ def _centred_partials(x, flat, needed, bins, hist_range):
                    also=fits)
 
 
-# How `_picked` picks: None decides by the device (see there); the bench sets it.
-SELECT: bool | None = None
-
-
 def _picked(sums, finite, otherwise, also=()):
     """`finite` (partials) where every sum is finite and every condition in `also`
-    holds, else `otherwise()`: picked on the device. On a CPU by an `ops.cond`,
-    which runs `otherwise` only where it is taken (masking is slow there). On a
-    GPU a `cond` reads its predicate on the host, one round trip per point per
-    step, so both are computed there (each a pass over a tensor that a GPU
-    makes in microseconds) and `where` picks."""
-    decides = functools.reduce(ops.logical_and,
-                               [ops.isfinite(v) for v in sums.values()] + list(also))
-    if SELECT if SELECT is not None else _backend.on_accelerator():
-        other = otherwise()
-        return {k: ops.where(decides, v, other[k]) for k, v in finite.items()}
-    return ops.cond(decides, lambda: dict(finite), otherwise)
+    holds, else `otherwise()`: picked on the device, by an `ops.cond`."""
+    decides = [ops.isfinite(v) for v in sums.values()] + list(also)
+    return ops.cond(functools.reduce(ops.logical_and, decides), lambda: dict(finite),
+                    otherwise)
 
 
 def _scaled_partials(x, needed, bins, hist_range):

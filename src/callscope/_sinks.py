@@ -278,10 +278,6 @@ class StepRows:
 # One run's values on their way to the host
 # --------------------------------------------------------------------------
 STATS_AHEAD = 64  # steps of statistics that may wait on the device (a row each)
-FULL_AHEAD = 2  # steps of full tensors on their way when a thread lands them
-# Whether a thread of the run lands its steps: None decides per run (where the
-# values are copied from an accelerator, see `Landing.put`); tests set it.
-LAND_ON_THREAD: bool | None = None
 
 
 class Landing:
@@ -300,16 +296,10 @@ class Landing:
         self.calls = calls
         # (kind, structure, handles, statistics only) of the steps on their way
         self._pending = collections.deque()
-        # Held while landing and while reading (a capture may be read from
-        # another thread): a half-landed step is never read.
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()  # a capture may be read from another thread
         self._writer: Writer | None = None
         self.failure: Exception | None = None
         self._step_rows = StepRows(calls)
-        self._threaded: bool | None = None  # decided at the first step
-        self._lander: threading.Thread | None = None  # see `_put_for_thread`
-        self._doorbell = threading.Condition(threading.Lock())
-        self._ending = False
         for call in calls:
             call._landing = self
 
@@ -317,18 +307,9 @@ class Landing:
         values = {name: value for name, value in sown.items() if "|" in name}
         if self.failure is not None or not values:
             return
-        try:
-            leaves = keras.tree.flatten(values)
-            if self._threaded is None:
-                self._threaded = self._lands_on_thread(leaves)
-        except Exception as failure:
-            self.failure = failure
-            return
-        if self._threaded:
-            self._put_for_thread(kind, values, leaves)
-            return
         with self._lock:
             try:
+                leaves = keras.tree.flatten(values)
                 stats_only = all(name.startswith(_reduce.PACKED) for name in values)
                 pending = self._pending
                 pending.append((kind, values, _backend.start_host_copy(leaves), stats_only))
@@ -358,74 +339,6 @@ class Landing:
         with self._lock:
             while self._pending:
                 self._land_first()
-        if self._lander is not None:
-            with self._doorbell:
-                self._doorbell.notify_all()  # a `put` waiting for room has it
-
-    # -- landing on a thread -------------------------------------------------
-    def _lands_on_thread(self, leaves: list) -> bool:
-        """Where a step's values are copied from an accelerator, a thread of the
-        run waits for each copy and copies it into the host buffers, while the
-        caller's loop goes on: on a GPU, landing in the loop cost JAX's predict
-        with a full capture of 128 MiB most of its time (3.2x plain predict on
-        an H200, `bench/gpu.sh`). On a CPU the loop's thread lands (the copy is
-        host memory, and a thread measured no better on two cores: README). Not
-        for several JAX processes, which land every step in step."""
-        if LAND_ON_THREAD is not None:
-            # Not torch's host tensors, read in place: a layer may refill its
-            # buffer at the next step, before the thread has copied it.
-            in_place = _backend.BACKEND == "torch" and not _backend.copies_from_device(leaves)
-            return LAND_ON_THREAD and _backend.process_index()[1] == 1 and not in_place
-        return _backend.copy_lags(leaves) and _backend.copies_from_device(leaves)
-
-    def _put_for_thread(self, kind: str, values: dict, leaves: list) -> None:
-        """`put` where the run's lander thread lands: the step joins the queue,
-        and the caller waits only while `FULL_AHEAD` steps of full tensors (or
-        `STATS_AHEAD` of statistics) are already on their way, so the device
-        holds a bounded number of steps whatever the number of batches."""
-        try:
-            stats_only = all(name.startswith(_reduce.PACKED) for name in values)
-            entry = (kind, values, _backend.start_host_copy(leaves), stats_only)
-        except Exception as failure:
-            self.failure = failure
-            return
-        bound = STATS_AHEAD if stats_only else FULL_AHEAD
-        with self._doorbell:
-            if self._lander is None:
-                self._lander = threading.Thread(target=self._land_on_thread, daemon=True,
-                                                name="callscope-lander")
-                self._lander.start()
-            self._pending.append(entry)
-            self._doorbell.notify_all()
-            while len(self._pending) > bound and self.failure is None:
-                self._doorbell.wait()
-
-    def _land_on_thread(self) -> None:
-        """The lander thread: lands each step as it comes, until the run ends."""
-        while True:
-            with self._doorbell:
-                while not self._pending and not self._ending:
-                    self._doorbell.wait()
-                if not self._pending:
-                    return
-            try:
-                with self._lock:
-                    if self.failure is not None:  # nothing more lands (`_land_first`)
-                        self._pending.clear()
-                    elif self._pending:  # (a reader may have landed it meanwhile)
-                        self._land_first()
-            except Exception as failure:  # nothing more lands (see `_land_first`)
-                self.failure = self.failure or failure
-            with self._doorbell:
-                self._doorbell.notify_all()
-
-    def _stop_lander(self) -> None:
-        if self._lander is None:
-            return
-        with self._doorbell:
-            self._ending = True
-            self._doorbell.notify_all()
-        self._lander.join()
 
     def _land_first(self) -> None:
         """The first pending step into the calls' buffers. It leaves the queue once
@@ -473,7 +386,6 @@ class Landing:
     def end(self, error: BaseException | None = None) -> None:
         """Lands the last step, flushes and closes the files, and raises what
         failed. After a failure of the run (`error`), adds it to that as a note."""
-        self._stop_lander()  # it lands what is left first (not under the lock it takes)
         with self._lock:
             problems = [self.failure] if self.failure is not None else []
             for finish in (self.land, self._release, self._close_writer):
