@@ -2,7 +2,6 @@
 call `compute_loss` twice, sources that are one tensor, and one run of `loss_fn`."""
 
 import contextlib
-import warnings
 
 import keras
 import numpy as np
@@ -791,29 +790,3 @@ def test_a_recompute_that_cannot_tell_which_call_it_is_raises_and_the_rest_match
         m.fit(X, Y, batch_size=len(X), epochs=1, shuffle=False, verbose=0)
     for a, b in zip(plain.get_weights(), model.get_weights()):
         np.testing.assert_allclose(numpy(b), numpy(a), rtol=1e-5, atol=1e-6)
-
-
-@pytest.mark.skipif(BACKEND != "torch", reason="torch's own checkpoint keeps its points")
-def test_what_a_recompute_may_need_keeps_few_patches_alive():
-    """What a torch recompute may need (the calls since the last backward pass)
-    is bounded: a layer that torch never recomputes keeps no more than the
-    patches of three calls, however many patch scopes come and go (beside the
-    compiled functions' cache, which keeps its own and evicts past its size)."""
-    import gc
-    import weakref
-
-    model = _model()
-    model.context_cache_size = 2
-    alive = []
-    for i in range(16):
-        def fn(v, i=i):
-            return v * float(i)
-
-        alive.append(weakref.ref(fn))
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", "callscope evicted")
-            with cs.patch(model, {"m/d1": fn}):
-                model.fit(X, Y, batch_size=len(X), epochs=1, verbose=0)
-        del fn
-    gc.collect()
-    assert sum(ref() is not None for ref in alive) <= 3 + model.context_cache_size

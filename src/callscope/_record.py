@@ -670,11 +670,7 @@ class RecordingCall:
             self._earlier.clear()
             self._recomputed = False
         elif self.last is not None and self.last[3]:
-            # Two ways already make a recompute ambiguous: no more are kept (a
-            # layer that torch never recomputes would keep every patch alive).
-            patched = _patched_here(self.last)
-            if patched in self._earlier or len(self._earlier) < 2:
-                self._earlier[patched] = self.last
+            self._earlier[_patched_here(self.last)] = self.last
         self.last = (*call, _backend.grad_enabled())
 
     def replay(self, args, kwargs):
