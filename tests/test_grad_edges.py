@@ -1,8 +1,6 @@
 """Edges of d loss / d point, alike on every backend: empty selections, steps that
 call `compute_loss` twice, sources that are one tensor, and one run of `loss_fn`."""
 
-import contextlib
-
 import keras
 import numpy as np
 import pytest
@@ -713,80 +711,3 @@ def test_a_patch_inside_a_torch_checkpoint_applies_to_its_recompute_too(how_run)
     assert how_run == "custom_loop" or min(moved) > 1e-4  # every weight was updated
     for a, b in zip(weights[None], weights["backend"]):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
-
-
-class _Twice(_Checkpointed):
-    """The body calls `d2` twice (points `c/inner/d2@0` and `c/inner/d2@1`)."""
-
-    def call(self, x):
-        body = lambda t: self.d2(self.d2(self.d1(t)))  # noqa: E731
-        return body(x) if self.how is None else _backend_checkpoint(body)(x)
-
-
-def _grads_of(model, passes):
-    """The summed loss of `passes` (each `(patches or None, grad on)`), then one
-    backward pass: each weight's gradient (torch)."""
-    import torch
-
-    total = 0.0
-    for patches, grad in passes:
-        with contextlib.ExitStack() as stack:
-            if patches is not None:
-                stack.enter_context(cs.patch(model, patches))
-            if not grad:
-                stack.enter_context(torch.no_grad())
-            loss = ((model(torch.as_tensor(X)) - torch.as_tensor(Y)) ** 2).mean()
-        total = total + loss
-    total.backward()
-    return [w.value.grad.numpy().copy() for w in model.trainable_weights]
-
-
-@pytest.mark.skipif(BACKEND != "torch", reason="torch's own checkpoint keeps its points")
-def test_a_recompute_that_cannot_tell_which_call_it_is_raises_and_the_rest_match():
-    """A recompute in torch's backward pass does not say which forward pass it
-    runs again. Where the passes since the last backward pass were patched in
-    different ways, guessing would give another model's gradients: it raises.
-    Where they were patched alike (a shared layer: each of its calls is the same
-    point), or the others ran without gradients, the gradients match the model
-    without the checkpoint."""
-    def build(how):
-        return _checkpointed(how, _Twice, learning_rate=0.1)
-
-    patched = {"c/inner/d2": lambda v: v * 3.0 + 1.0}
-    other = {"c/inner/d2": lambda v: -v}
-    cases = {
-        "a shared layer, patched at each call": [(patched, True)],
-        "a clean pass without gradients first": [(None, False), (patched, True)],
-        "two passes patched alike": [(patched, True), (patched, True)],
-        "a predict under other patches first": "predict",
-    }
-    for case, passes in cases.items():
-        grads = {}
-        for how in (None, "backend"):
-            model = build(how)
-            if passes == "predict":
-                with cs.patch(model, other):
-                    model.predict(X, verbose=0)
-                with cs.capture(model, "*/d1"):
-                    grads[how] = _grads_of(model, [(patched, True)])
-            else:
-                grads[how] = _grads_of(model, passes)
-        for a, b in zip(grads[None], grads["backend"]):
-            np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6, err_msg=case)
-    # Passes patched in different ways, with gradients, before one backward pass:
-    # the recompute of one cannot be told from the other's.
-    for second, where in ((None, "`c/inner/d2`, outside any patch"), (other, "`c/inner/d2`")):
-        model = build("backend")
-        with pytest.raises(RuntimeError, match=(
-                r"cannot patch torch's recompute of `d2`: since the last backward pass, "
-                rf"forward passes with gradients on ran it patched in 2 different ways \(at "
-                rf"{where}\).* Received: a recompute of `d2` after 2 differently patched "
-                r"forward passes")):
-            _grads_of(model, [(patched, True), (second, True)])
-    # Nothing is left behind: the model trains on, unpatched, as the plain one does.
-    plain = build(None)
-    plain.set_weights(model.get_weights())
-    for m in (model, plain):
-        m.fit(X, Y, batch_size=len(X), epochs=1, shuffle=False, verbose=0)
-    for a, b in zip(plain.get_weights(), model.get_weights()):
-        np.testing.assert_allclose(numpy(b), numpy(a), rtol=1e-5, atol=1e-6)

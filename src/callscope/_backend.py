@@ -486,16 +486,6 @@ def copy_rows(into: np.ndarray, rows: np.ndarray) -> None:
     into[...] = rows
 
 
-def grad_enabled() -> bool:
-    """torch: is autograd recording what runs now (not under `torch.no_grad()`,
-    as predict and evaluate run)? True on the other backends."""
-    if BACKEND != "torch":
-        return True
-    import torch
-
-    return torch.is_grad_enabled()
-
-
 def copy_lags(leaves: list) -> bool:
     """True where reading a step's values at once would wait for the device: they
     then land later (`_sinks.Landing`), so the device runs ahead (JAX's dispatch is always

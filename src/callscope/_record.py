@@ -513,7 +513,7 @@ def sow(layer: keras.layers.Layer, name: str, value: Any) -> Any:
     collector = active_collector()
     last = _replayed(layer, collector)
     if last is not None:  # a recompute in torch's backward pass (`RecordingCall.replay`)
-        patches, point, applied, _ = last
+        patches, point, applied = last
         found = applied.get(f"{point}/{name}")
         return value if found is None else patches.run(found, value)
     if collector is None or isinstance(value, keras.KerasTensor):
@@ -602,11 +602,6 @@ class RecordingCall:
         # a recompute of it in the backward pass (`replay`); None after a call
         # that recorded nothing.
         self.last = None
-        # torch: the calls before it with gradients on, since the last backward
-        # pass that recomputed the layer, one per way they were patched
-        # (`_patched_here` -> call): a recompute cannot tell them apart (`replay`).
-        self._earlier: dict = {}
-        self._recomputed = False
 
     @property
     def __signature__(self):
@@ -622,12 +617,7 @@ class RecordingCall:
             if _keras_compat.in_torch_backward():
                 return self.replay(args, kwargs)
             if collector is None:
-                # A call outside any capture or patch, which a recompute may
-                # run again too: remembered only beside a patched call.
-                if self._earlier or _patched_here(self.last):
-                    self._remember(_UNSCOPED)
-                else:
-                    self.last = None
+                self.last = None
         if collector is None or _symbolic(args, kwargs):
             return original(*args, **kwargs)
         layer = self.layer
@@ -638,7 +628,7 @@ class RecordingCall:
         if collector.applied is not None and not _backend.is_tracing_now():
             # (Not under torch.compile: a write there recompiles per layer, and
             # AOTAutograd's backward reruns no Python.)
-            self._remember((patches, point, collector.applied))
+            self.last = (patches, point, collector.applied)
         marker = _backend.trace_marker()
         depth = len(collector.stack)
         if collector.in_loop(marker):
@@ -662,17 +652,6 @@ class RecordingCall:
             collector.stack.pop()
         return _record_outputs(collector, patches, point, layer, outputs, depth)
 
-    def _remember(self, call: tuple) -> None:
-        """`call` becomes the last recorded call; the one before it joins the
-        earlier ones where a backward pass may still recompute it (it ran with
-        gradients on: predict's and evaluate's calls never are)."""
-        if self._recomputed:  # a backward pass has recomputed the calls before
-            self._earlier.clear()
-            self._recomputed = False
-        elif self.last is not None and self.last[3]:
-            self._earlier[_patched_here(self.last)] = self.last
-        self.last = (*call, _backend.grad_enabled())
-
     def replay(self, args, kwargs):
         """The layer's call again, in torch's backward pass: a checkpoint's
         recompute (`torch.utils.checkpoint` runs the function again there, on this
@@ -680,36 +659,8 @@ class RecordingCall:
         patches its last call applied apply again, at the same points, so that
         the recompute, from which torch takes the gradients, is the forward pass;
         nothing is recorded (the forward pass was). Before, the recompute ran
-        unpatched: a patched fit's updates were silently those of another model.
-
-        Only calls made with gradients on can be recomputed. Where those since
-        the last backward pass were patched in different ways (a layer called
-        twice in one checkpointed function with a patch at one call, or a
-        patched and a clean forward pass before one backward pass), which one
-        this recomputes cannot be told, and it raises rather than guess."""
-        calls = dict(self._earlier)
-        if self.last[3]:
-            calls[_patched_here(self.last)] = self.last
-        self._recomputed = True
-        if len(calls) > 1:
-            points = [f"`{p}`" for p in dict.fromkeys(c[1] for c in calls.values()) if p]
-            unscoped = any(c[1] is None for c in calls.values())
-            where = ", ".join(points + ["outside any patch"] * unscoped)
-            name = self.layer.name
-            raise RuntimeError(
-                f"callscope cannot patch torch's recompute of `{name}`: since the last "
-                f"backward pass, forward passes with gradients on ran it patched in "
-                f"{len(calls)} different ways (at {where}), and torch's checkpoint runs it "
-                "again in the backward pass without saying which pass it recomputes. Its "
-                "gradients would be another model's, so callscope stops. Run each "
-                "forward pass's backward before the next differently patched one, or "
-                "run the other passes under torch.no_grad(). Received: a recompute of "
-                f"`{name}` after {len(calls)} differently patched forward passes")
-        # The call it recomputes (what a sown value inside reads: `_replayed`).
-        self.last = next(iter(calls.values()), None)
-        if self.last is None:
-            return self.__wrapped__(*args, **kwargs)
-        patches, point, applied, _ = self.last
+        unpatched: a patched fit's updates were silently those of another model."""
+        patches, point, applied = self.last
         outputs = self.__wrapped__(*args, **kwargs)
         if patches is None or not applied:
             return outputs
@@ -756,18 +707,6 @@ class RecordingCall:
                     if _is_tensor(leaf):
                         named.append(("/".join([label, *map(str, path)]), leaf))
         return named
-
-
-_UNSCOPED = (None, None, {})  # (patches, point, applied) of a call outside every scope
-
-
-def _patched_here(call: tuple) -> tuple:
-    """What a recorded call (`RecordingCall.last`) patched, as its recompute
-    would: the patch at its point and under it (sown values, tuple elements),
-    by their place relative to the point; () where nothing was patched."""
-    patches, point, applied, _ = call
-    return tuple(sorted((name[len(point):], id(found[2])) for name, found in applied.items()
-                        if name == point or name.startswith(f"{point}/")))
 
 
 def _replayed(layer, collector):
