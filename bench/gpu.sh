@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # bench/ on a GPU (the GPU figures), one backend: each script under a
-# time limit, in order of importance, its output kept in DIR/bench.txt.
+# time limit, in order of importance, its output kept in DIR/bench-BACKEND.txt.
 #
 # Usage: [REPEATS=21] bench/gpu.sh DIR [BACKEND]   (python3 must import keras,
 #        callscope and a GPU build of the backend; BACKEND defaults to jax)
