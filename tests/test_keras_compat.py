@@ -131,3 +131,30 @@ def test_torch_backward_is_seen_where_a_checkpoint_recomputes():
                use_reentrant=False).sum().backward()
     assert seen == [False, True], f"torch {torch.__version__} changed: {seen}"
     assert not _keras_compat.in_torch_backward()
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="torch's checkpoint")
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_torch_checkpoint_passes_are_told_apart_and_found_again(reentrant):
+    """`torch_checkpoint` reads torch's private checkpoint objects: each forward
+    pass is its own object, and its recompute finds that same object."""
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    seen = []
+
+    def body(t):
+        seen.append(_keras_compat.torch_checkpoint(forward=True))
+        return t.sin()
+
+    x = torch.ones(2, requires_grad=True)
+    losses = [checkpoint(body, x, use_reentrant=reentrant).sum() for _ in range(2)]
+    sum(losses).backward()
+    assert all(place is not None for place in seen), f"torch {torch.__version__}: {seen}"
+    (first, none), (second, none_too), (again, backward), (again_too, _) = (
+        seen[0], seen[1], *sorted(seen[2:], key=lambda p: p[0] is not seen[0][0]))
+    assert none is None and none_too is None and first is not second
+    assert again is first and again_too is second and backward is not None
+    assert _keras_compat.torch_checkpoint(forward=True) is None
+    with torch.no_grad():
+        assert _keras_compat.torch_checkpoint(forward=True) is None

@@ -639,6 +639,78 @@ def in_torch_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+HIDDEN = "hidden"  # `torch_checkpoint`: a checkpoint under a saved-tensors hook of another kind
+
+
+def torch_checkpoint(forward: bool):
+    """torch: the `torch.utils.checkpoint` pass this thread runs in, as `(pass,
+    recompute)`. `pass` is torch's own object for one checkpointed forward pass,
+    the same object in its recompute (so it lives as long as the graph that may
+    recompute it). `recompute` is None in the forward pass and, in a recompute, the
+    id of the backward pass it serves (one recompute each). None outside a
+    checkpoint; `forward=False` answers only where a recompute may run (in a
+    backward pass, or under a saved-tensors hook). `HIDDEN`: a checkpoint lies
+    under a saved-tensors hook of another kind, so which pass it is cannot be told.
+
+    (torch 2.13.0, torch/utils/checkpoint.py. Non-reentrant, the default of
+    `keras.remat`: the innermost saved-tensors hooks are `_checkpoint_hook(frame)`
+    in the forward pass and `_recomputation_hook(weakref(frame), gid)` in the
+    recompute, and their pack hooks close over `frame`, `target_frame_ref` and
+    `gid`. Reentrant: `CheckpointFunction.forward(ctx, ...)` runs the function
+    under no_grad and `CheckpointFunction.backward(ctx, ...)` runs it again, with
+    no hooks; they are found on the Python stack, which is walked only there.)"""
+    import torch
+
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    if hooks is not None:
+        pack = inspect.unwrap(hooks[0])  # (torch._dynamo.disable wraps the recompute's)
+        kind = getattr(pack, "__qualname__", "").partition(".")[0]
+        if kind == "_checkpoint_hook":
+            return _closed_over(pack)["frame"], None
+        if kind == "_recomputation_hook":
+            cells = _closed_over(pack)
+            return cells["target_frame_ref"](), cells["gid"]
+    backward = torch._C._current_graph_task_id() != -1
+    if hooks is None and not backward and (torch.is_grad_enabled() or not forward):
+        return None  # (a reentrant forward pass runs under no_grad)
+    return _checkpoint_on_stack(hidden=hooks is not None)
+
+
+def _closed_over(function) -> dict:
+    return {name: cell.cell_contents
+            for name, cell in zip(function.__code__.co_freevars, function.__closure__ or ())}
+
+
+@functools.cache
+def _checkpoint_code():
+    from torch.utils import checkpoint
+
+    unpack = next(c for c in checkpoint._checkpoint_hook.__init__.__code__.co_consts
+                  if inspect.iscode(c) and c.co_name == "unpack_hook")
+    return (checkpoint.CheckpointFunction.forward.__code__,
+            checkpoint.CheckpointFunction.backward.__code__,
+            {inspect.unwrap(checkpoint.checkpoint).__code__, unpack})
+
+
+def _checkpoint_on_stack(hidden: bool):
+    import sys
+
+    import torch
+
+    forward, backward, non_reentrant = _checkpoint_code()
+    frame = sys._getframe(2)
+    while frame is not None:
+        code = frame.f_code
+        if code is forward:
+            return frame.f_locals["ctx"], None
+        if code is backward:
+            return frame.f_locals["ctx"], torch._C._current_graph_task_id()
+        if hidden and code in non_reentrant:
+            return HIDDEN
+        frame = frame.f_back
+    return None
+
+
 def is_graph_model(layer) -> bool:
     """A Functional or Sequential model: its layers' names are part of its config,
     so they come back the same from `load_model` (keras 3.15.1:

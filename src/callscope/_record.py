@@ -35,7 +35,7 @@ import keras
 import numpy as np
 from keras import ops
 
-from callscope import _backend, _inputs, _keras_compat, _reduce
+from callscope import _backend, _inputs, _keras_compat, _recompute, _reduce
 from callscope._points import Spec, found_key, key_name, local_name
 
 SOWN = "__callscope_sown__"
@@ -165,7 +165,8 @@ class Collector:
         self.manual = False  # cs.intermediate_grads takes the gradients itself
         self.discovery = False  # cs.points / cs.summary: any value is listed as it is
         self.rows = None  # the root call's batch size (patches that take the batch)
-        # torch: point -> the patch applied there, eagerly (`RecordingCall.replay`)
+        # torch: point -> the patch applied there, eagerly (for a checkpoint's
+        # recompute: `_recompute`, `RecordingCall.replay`)
         self.applied = {} if _TORCH else None
         self.inputs = None  # _inputs.Reader in a compiled step: ranges found are inputs
         # Makes a gradient source differentiable (TF: tape.watch; torch: a leaf
@@ -511,21 +512,28 @@ def sow(layer: keras.layers.Layer, name: str, value: Any) -> Any:
     """
     check_sow_name(name)
     collector = active_collector()
-    last = _replayed(layer, collector)
-    if last is not None:  # a recompute in torch's backward pass (`RecordingCall.replay`)
-        patches, point, applied = last
-        found = applied.get(f"{point}/{name}")
-        return value if found is None else patches.run(found, value)
+    patches = active_patches()
+    checkpoint = None  # torch: the checkpoint pass this call is part of (`_recompute`)
+    if _TORCH and (collector is not None or _recompute.live()) and (
+            not _backend.is_tracing_now()):
+        checkpoint = _recompute.where(patched=patches is not None)
+        if checkpoint is not None and checkpoint[1] is not None:  # its recompute
+            noted = _recompute.replayed(checkpoint, _recompute.sown(layer, name))
+            if noted is None or noted[1] is None:
+                return value
+            return noted[0].run(noted[1], _one_tensor(noted[1][1], value))
     if collector is None or isinstance(value, keras.KerasTensor):
         return value
     point = collector.sown_point(layer, name)
-    patches = active_patches()
     depth = len(collector.stack)
+    found = None if patches is None else patches.find(point, collector)
+    if checkpoint is not None:
+        _recompute.note(checkpoint, _recompute.sown(layer, name), (patches, found))
     if collector.in_loop(_backend.trace_marker()):
         collector.check_loop_point(point, patches)
         collector.tree.append((depth, point, layer, LOOP, True))
         return value
-    patched = patches is not None and patches.find(point, collector) is not None
+    patched = found is not None
     given = value
     if not collector.discovery and (patched or collector.selects(point, layer, "output",
                                                                  sown=True)):
@@ -598,10 +606,6 @@ class RecordingCall:
         self.__wrapped__ = original
         self.local = None  # its own part of its point (`_points.local_name`)
         self._parameters = None
-        # torch: (patches, point, applied) of the layer's last recorded call, for
-        # a recompute of it in the backward pass (`replay`); None after a call
-        # that recorded nothing.
-        self.last = None
 
     @property
     def __signature__(self):
@@ -612,23 +616,27 @@ class RecordingCall:
     def __call__(self, *args, **kwargs):
         original = self.__wrapped__
         collector = _ACTIVE.collector
-        if self.last is not None and (collector is None or not collector.stack) and (
+        patches = _ACTIVE.patches
+        checkpoint = None  # torch: the checkpoint pass this call is part of (`_recompute`)
+        if _TORCH and (collector is not None or _recompute.live()) and (
                 not _backend.is_tracing_now()):
-            if _keras_compat.in_torch_backward():
-                return self.replay(args, kwargs)
-            if collector is None:
-                self.last = None
+            # (Not under torch.compile: a write there recompiles per layer, and
+            # AOTAutograd's backward reruns no Python.)
+            checkpoint = _recompute.where(patched=patches is not None)
+            if checkpoint is not None and checkpoint[1] is not None:
+                return self.replay(checkpoint, args, kwargs)
         if collector is None or _symbolic(args, kwargs):
+            if checkpoint is not None:
+                _recompute.note(checkpoint, self, None)
             return original(*args, **kwargs)
         layer = self.layer
         if collector.stack and collector.stack[-1].layer is layer:  # call <-> quantized_call
+            if checkpoint is not None:
+                _recompute.note(checkpoint, self, None)
             return original(*args, **kwargs)
         point = collector.name(layer, self.local)
-        patches = _ACTIVE.patches
-        if collector.applied is not None and not _backend.is_tracing_now():
-            # (Not under torch.compile: a write there recompiles per layer, and
-            # AOTAutograd's backward reruns no Python.)
-            self.last = (patches, point, collector.applied)
+        if checkpoint is not None:
+            _recompute.note(checkpoint, self, (patches, point, collector.applied))
         marker = _backend.trace_marker()
         depth = len(collector.stack)
         if collector.in_loop(marker):
@@ -652,16 +660,16 @@ class RecordingCall:
             collector.stack.pop()
         return _record_outputs(collector, patches, point, layer, outputs, depth)
 
-    def replay(self, args, kwargs):
-        """The layer's call again, in torch's backward pass: a checkpoint's
-        recompute (`torch.utils.checkpoint` runs the function again there, on this
-        thread or autograd's, with none of its callers' calls around it). The
-        patches its last call applied apply again, at the same points, so that
-        the recompute, from which torch takes the gradients, is the forward pass;
-        nothing is recorded (the forward pass was). Before, the recompute ran
-        unpatched: a patched fit's updates were silently those of another model."""
-        patches, point, applied = self.last
+    def replay(self, checkpoint, args, kwargs):
+        """The layer's call again in a torch checkpoint's recompute (`_recompute`):
+        the patches the same call applied in the forward pass apply again, at the
+        same points, so that the recompute, from which torch takes the gradients,
+        is the forward pass. Nothing is recorded (the forward pass was)."""
+        noted = _recompute.replayed(checkpoint, self)
         outputs = self.__wrapped__(*args, **kwargs)
+        if noted is None:
+            return outputs
+        patches, point, applied = noted
         if patches is None or not applied:
             return outputs
         if point in applied:
@@ -707,16 +715,6 @@ class RecordingCall:
                     if _is_tensor(leaf):
                         named.append(("/".join([label, *map(str, path)]), leaf))
         return named
-
-
-def _replayed(layer, collector):
-    """The last call of `layer` (`RecordingCall.last`) where it is being recomputed
-    in torch's backward pass; None elsewhere."""
-    if not _TORCH or (collector is not None and collector.stack) or _backend.is_tracing_now():
-        return None
-    wrapper = _keras_compat.get_instance_attribute(layer, "call")
-    last = getattr(wrapper, "last", None)
-    return last if last is not None and _keras_compat.in_torch_backward() else None
 
 
 def _is_tensor(value) -> bool:

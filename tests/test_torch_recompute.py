@@ -1,0 +1,288 @@
+"""torch runs a checkpoint's function again in the backward pass (the recompute)
+and takes the gradients from there: each recompute must apply exactly the patches
+its own forward pass applied, whatever ran in between. The reference is the same
+model without the checkpoint, same weights and patches, same passes: autograd's
+own gradients, which never recompute anything."""
+
+import contextlib
+import gc
+import threading
+
+import keras
+import numpy as np
+import pytest
+from conftest import BACKEND
+
+import callscope as cs
+
+pytestmark = pytest.mark.skipif(BACKEND != "torch", reason="torch's checkpoint recomputes")
+
+if BACKEND == "torch":
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    from callscope import _recompute
+
+rng = np.random.default_rng(0)
+X = rng.normal(size=(6, 3)).astype("float32")
+Y = rng.normal(size=(6, 1)).astype("float32")
+TRIPLE = {"c/inner/d1": lambda v: v * 3.0 + 1.0}
+NEGATE = {"c/inner/d1/twice": lambda v: -v, "c/inner/mid": lambda v: keras.ops.tanh(v) - 2.0}
+
+
+class Inner(keras.layers.Layer):
+    """d1 then d2, inside a torch checkpoint (`how`: None, "reentrant" or
+    "non_reentrant"); the body sows on d1 and on this layer itself."""
+
+    def __init__(self, how=None, **kwargs):
+        super().__init__(**kwargs)
+        self.how = how
+        self.d1 = keras.layers.Dense(4, name="d1")
+        self.d2 = keras.layers.Dense(4, name="d2")
+
+    def build(self, input_shape):  # (a reentrant checkpoint cannot run symbolically)
+        self.d1.build(input_shape)
+        self.d2.build((None, 4))
+
+    def compute_output_shape(self, input_shape):
+        return (*input_shape[:-1], 4)
+
+    def body(self, t):
+        h = self.d1(t)
+        h = h + cs.sow(self.d1, "twice", h * 2.0)
+        return cs.sow(self, "mid", self.d2(h))
+
+    def call(self, x):
+        if self.how is None:
+            return self.body(x)
+        if self.how == "reentrant":  # (its gradients flow only from inputs that need them)
+            return checkpoint(lambda t, _: self.body(t), x, self.d1.kernel.value,
+                              use_reentrant=True)
+        return checkpoint(self.body, x, use_reentrant=False)
+
+
+def _model(how, layer=Inner):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((3,))
+    h = layer(how, name="inner")(inputs)
+    return cs.Model(inputs, keras.layers.Dense(1, name="head")(h), name="c")
+
+
+def _loss(model, patches):
+    with cs.patch(model, patches) if patches else contextlib.nullcontext():
+        out = model(torch.as_tensor(X))
+    return ((out - torch.as_tensor(Y)) ** 2).mean()
+
+
+def _grads(model, loss, **kwargs):
+    weights = [w.value for w in model.trainable_weights]
+    if model.get_layer("inner").how == "reentrant":  # (no torch.autograd.grad there)
+        for w in weights:
+            w.grad = None
+        loss.backward(**kwargs)
+        return [w.grad.numpy().copy() for w in weights]
+    return [g.numpy() for g in torch.autograd.grad(loss, weights, **kwargs)]
+
+
+def _same(got, want):
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+    assert np.isfinite(np.concatenate([w.ravel() for w in want])).all()
+    assert max(np.abs(w).max() for w in want) > 1e-3
+
+
+HOWS = ["non_reentrant", "reentrant"]
+
+
+@pytest.mark.parametrize("how", HOWS)
+@pytest.mark.parametrize("order", [(TRIPLE, None), (None, TRIPLE), (TRIPLE, NEGATE),
+                                   (NEGATE, TRIPLE, None)])
+def test_passes_patched_in_different_ways_before_one_backward(how, order):
+    """Each pass's recompute takes its own patches (before, each took the last
+    pass's: a patched then a clean pass gave gradients off by up to 107)."""
+    got = _grads(m := _model(how), sum(_loss(m, p) for p in order))
+    want = _grads(r := _model(None), sum(_loss(r, p) for p in order))
+    _same(got, want)
+    del m, r
+    gc.collect()
+    assert not _recompute.live()  # the notes go with torch's passes
+
+
+def test_a_graph_kept_across_other_passes_recomputes_with_its_own_patches():
+    model, reference = _model("non_reentrant"), _model(None)
+    for m in (model, reference):
+        first = _loss(m, TRIPLE)
+        _grads(m, first, retain_graph=True)
+        _grads(m, _loss(m, NEGATE))
+        m.again = _grads(m, first)
+    _same(model.again, reference.again)
+
+
+def test_two_threads_each_recompute_their_own_patches():
+    model, reference = _model("non_reentrant"), _model(None)
+    want = [_grads(reference, _loss(reference, p)) for p in (TRIPLE, NEGATE)]
+    got, errors = [None, None], []
+    barrier = threading.Barrier(2)
+
+    def run(i, patches):
+        try:
+            loss = _loss(model, patches)
+            barrier.wait()  # both forward passes before either backward pass
+            got[i] = _grads(model, loss)
+        except Exception as e:  # noqa: BLE001 (raised again below)
+            errors.append(e)
+            barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(i, p)) for i, p in
+               enumerate((TRIPLE, NEGATE))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for g, w in zip(got, want):
+        _same(g, w)
+
+
+def test_gradient_accumulation_under_patches_reopened_with_new_equal_functions():
+    def passes(m):
+        return sum(_loss(m, {"c/inner/d1": lambda v: v * 3.0}) for _ in range(3))
+
+    _same(_grads(m := _model("non_reentrant"), passes(m)), _grads(r := _model(None), passes(r)))
+
+
+def test_a_patched_look_then_training_without_patches():
+    """A patched call that is never differentiated leaves nothing that matters."""
+    model, reference = _model("non_reentrant"), _model(None)
+    for m in (model, reference):
+        with cs.patch(m, TRIPLE):
+            m(torch.as_tensor(X))
+        m.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+        m.fit(X, Y, batch_size=3, epochs=2, shuffle=False, verbose=0)
+    _same(model.get_weights(),
+          reference.get_weights())
+
+
+class Shared(keras.layers.Layer):
+    """One Dense reached from two blocks, each checkpointing its own body: two
+    points of one layer, patched at one of them only."""
+
+    def __init__(self, how=None, **kwargs):
+        super().__init__(**kwargs)
+        self.how = how
+        self.shared = keras.layers.Dense(3, name="shared")
+        self.a = Block(self.shared, how, name="a")
+        self.b = Block(self.shared, how, name="b")
+        self.d1 = keras.layers.Dense(4, name="d1")  # (for TRIPLE)
+
+    def call(self, x):
+        return self.d1(self.b(self.a(x)))
+
+
+class Block(keras.layers.Layer):
+    def __init__(self, shared, how, **kwargs):
+        super().__init__(**kwargs)
+        self.shared, self.how = shared, how
+        self.own = keras.layers.Dense(3, name="own")
+
+    def call(self, x):
+        body = lambda t: self.own(self.shared(t))  # noqa: E731
+        return body(x) if self.how is None else checkpoint(body, x, use_reentrant=False)
+
+
+def test_a_shared_layer_in_two_checkpoints_patched_at_one_point():
+    patches = {"c/inner/a/shared": lambda v: v * -4.0}
+    got = _grads(m := _model("non_reentrant", Shared), _loss(m, patches))
+    want = _grads(r := _model(None, Shared), _loss(r, patches))
+    _same(got, want)
+
+
+def test_fit_under_a_patch_on_a_reentrant_checkpoint():
+    weights = {}
+    for how in (None, "reentrant"):
+        model = _model(how)
+        model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+        with cs.patch(model, {**TRIPLE, **NEGATE}):
+            model.fit(X, Y, batch_size=3, epochs=2, shuffle=False, verbose=0)
+        model.fit(X, Y, batch_size=3, epochs=1, shuffle=False, verbose=0)  # and after it
+        weights[how] = model.get_weights()
+    _same(weights["reentrant"], weights[None])
+
+
+@pytest.mark.parametrize("how", HOWS)
+def test_a_patched_predict_through_a_checkpoint(how):
+    outputs = []
+    for h in (None, how):
+        model = _model(h)
+        with cs.patch(model, {**TRIPLE, **NEGATE}):
+            outputs.append(model.predict(X, verbose=0))
+    np.testing.assert_allclose(outputs[1], outputs[0], rtol=1e-6)
+
+
+def test_save_on_cpu_around_the_checkpoint_works_and_inside_it_is_refused():
+    model, reference = _model("non_reentrant"), _model(None)
+    with torch.autograd.graph.save_on_cpu():
+        _same(_grads(model, _loss(model, TRIPLE)), _grads(reference, _loss(reference, TRIPLE)))
+
+    class Hiding(Inner):
+        def body(self, t):
+            with torch.autograd.graph.save_on_cpu():
+                return super().body(t)
+
+    hiding = _model("non_reentrant", Hiding)
+    with pytest.raises(RuntimeError, match=r"cannot tell which torch checkpoint pass a "
+                       r"patched layer runs in: .*save_on_cpu.*Open that hook around"):
+        _loss(hiding, TRIPLE)
+    _grads(hiding, _loss(hiding, None))  # without patches it runs as torch's
+
+
+class Nested(Inner):
+    """A checkpoint inside a checkpoint, and (`after`) a layer after the inner one."""
+
+    after = False
+
+    def body(self, t):
+        h = checkpoint(super().body, t, use_reentrant=False)
+        return self.d2(h) if self.after else h
+
+
+def test_a_checkpoint_nested_in_a_checkpoint():
+    """Where torch's outer recompute stops before the inner checkpoint (it needs
+    nothing past it), the inner pass's own recompute replays its patches. Where
+    the outer recompute must run the inner checkpoint again, that is a new pass
+    no forward pass made: it raises rather than guess."""
+    patches = {**TRIPLE, **NEGATE}
+    got = _grads(m := _model("non_reentrant", Nested), _loss(m, patches))
+    _same(got, _grads(r := _model(None, Nested), _loss(r, patches)))
+    Nested.after = True
+    try:
+        model = _model("non_reentrant", Nested)
+        loss = _loss(model, patches)
+        with pytest.raises(RuntimeError, match=r"runs inside another checkpoint's "
+                           r"recompute \(a checkpoint nested in a checkpointed function\)"):
+            _grads(model, loss)
+        del loss
+        gc.collect()
+        _grads(model, _loss(model, None))  # without patches it runs as torch's
+    finally:
+        Nested.after = False
+
+
+class Flipping(Inner):
+    """Calls its layers in another order each time: a recompute cannot repeat it."""
+
+    calls = 0
+
+    def body(self, t):
+        Flipping.calls += 1
+        if Flipping.calls % 2:
+            return self.d2(self.d1(t))
+        return self.d2(self.d1(t) * 0.0 + self.d1(t))
+
+
+def test_a_recompute_that_calls_other_layers_raises():
+    model = _model("non_reentrant", Flipping)
+    with pytest.raises(RuntimeError, match=r"called its layers in another order than its "
+                       r"forward pass did.*Received: call 2 of the recompute is layer 'd1'"):
+        _grads(model, _loss(model, TRIPLE))
