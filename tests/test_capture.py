@@ -251,6 +251,18 @@ def test_a_point_called_twice_gets_at_indices():
     assert sorted(cap) == ["twice/shared@0:output", "twice/shared@1:output"]
     w, b = (numpy(v) for v in model.shared.weights)
     np.testing.assert_allclose(cap["twice/shared@1:output"], (X @ w + b) @ w + b, rtol=1e-5)
+    # A patch names the point, and applies at every call of it; a key with `@i`
+    # (as cs.points and captures list the calls) says so, naming the point to patch.
+    with cs.patch(model, {"twice/shared": lambda v: v * 2.0}):
+        np.testing.assert_allclose(model.predict(X, verbose=0),
+                                   2 * ((2 * (X @ w + b)) @ w + b), rtol=1e-5)
+    with pytest.raises(ValueError, match=r"never reached \['twice/shared@0'\] in this "
+                       r"`predict`: .* \['twice/shared@0'\] name single calls of a point "
+                       r"reached more than once \(a shared layer\), as `cs.points` lists "
+                       r"them; a patch applies to every call of its point: patch "
+                       r"\['twice/shared'\] instead\."):
+        with cs.patch(model, {"twice/shared@0": lambda v: v}):
+            model.predict(X, verbose=0)
 
 
 def test_select_callable_and_no_match_error():

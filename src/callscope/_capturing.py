@@ -190,10 +190,17 @@ class CaptureMixin:
             raise _record.LoopPointError(_record.loop_message(*next(iter(inside.items()))))
         near = sorted({n for p in points for n in difflib.get_close_matches(p, known, n=4,
                                                                            cutoff=0.3)})
+        # `cs.points` lists each call of a shared layer as `point@i`, as captures
+        # key it; a patch names the point, and applies to every call of it.
+        calls = {p: p.rpartition("@")[0] for p in points if p.rpartition("@")[0] in known}
+        hint = (f" {sorted(calls)} name single calls of a point reached more than once "
+                "(a shared layer), as `cs.points` lists them; a patch applies to every "
+                f"call of its point: patch {sorted(set(calls.values()))} instead."
+                if calls else "")
         raise ValueError(
             f"cs.patch never reached {points} in this `{run.method}`: no layer or sown "
-            f"value that the call ran has that point. Nearest points: {near or known[:8]}. "
-            "Use `cs.points(model, x)` to list them. "
+            f"value that the call ran has that point.{hint} Nearest points: "
+            f"{near or known[:8]}. Use `cs.points(model, x)` to list them. "
             f"Received: patches={[p for _, p, _ in run.patches]}"
         )
 
