@@ -76,7 +76,8 @@ def _loss(model, patches):
 
 def _grads(model, loss, **kwargs):
     weights = [w.value for w in model.trainable_weights]
-    if model.get_layer("inner").how == "reentrant":  # (no torch.autograd.grad there)
+    inner = model.get_layer("inner")
+    if "reentrant" in (inner.how, getattr(inner, "inner", None)):  # (no autograd.grad there)
         for w in weights:
             w.grad = None
         loss.backward(**kwargs)
@@ -220,53 +221,58 @@ def test_a_patched_predict_through_a_checkpoint(how):
     np.testing.assert_allclose(outputs[1], outputs[0], rtol=1e-6)
 
 
-def test_save_on_cpu_around_the_checkpoint_works_and_inside_it_is_refused():
-    model, reference = _model("non_reentrant"), _model(None)
+class Hiding(Inner):
+    """Opens a saved-tensors hook of another kind inside the checkpointed function,
+    above torch's own: the checkpoint is then found on the Python stack."""
+
+    def body(self, t):
+        with torch.autograd.graph.save_on_cpu():
+            return super().body(t)
+
+
+@pytest.mark.parametrize("layer", [Inner, Hiding])
+def test_save_on_cpu_around_the_checkpoint_or_inside_it(layer):
+    patches = {**TRIPLE, **NEGATE}
+    model, reference = _model("non_reentrant", layer), _model(None, layer)
     with torch.autograd.graph.save_on_cpu():
-        _same(_grads(model, _loss(model, TRIPLE)), _grads(reference, _loss(reference, TRIPLE)))
-
-    class Hiding(Inner):
-        def body(self, t):
-            with torch.autograd.graph.save_on_cpu():
-                return super().body(t)
-
-    hiding = _model("non_reentrant", Hiding)
-    with pytest.raises(RuntimeError, match=r"cannot tell which torch checkpoint pass a "
-                       r"patched layer runs in: .*save_on_cpu.*Open that hook around"):
-        _loss(hiding, TRIPLE)
-    _grads(hiding, _loss(hiding, None))  # without patches it runs as torch's
+        got = _grads(model, _loss(model, patches) + _loss(model, None))
+    _same(got, _grads(reference, _loss(reference, patches) + _loss(reference, None)))
 
 
 class Nested(Inner):
-    """A checkpoint inside a checkpoint, and (`after`) a layer after the inner one."""
+    """A checkpoint (`inner`: reentrant or not) inside the checkpointed function,
+    and (`after`) a layer after it, so that the outer recompute makes it again."""
 
-    after = False
+    inner, after = "non_reentrant", False
 
     def body(self, t):
-        h = checkpoint(super().body, t, use_reentrant=False)
+        if self.inner == "reentrant":
+            h = checkpoint(lambda u, _: super(Nested, self).body(u), t, self.d2.kernel.value,
+                           use_reentrant=True)
+        else:
+            h = checkpoint(super().body, t, use_reentrant=False)
         return self.d2(h) if self.after else h
 
 
-def test_a_checkpoint_nested_in_a_checkpoint():
-    """Where torch's outer recompute stops before the inner checkpoint (it needs
-    nothing past it), the inner pass's own recompute replays its patches. Where
-    the outer recompute must run the inner checkpoint again, that is a new pass
-    no forward pass made: it raises rather than guess."""
+@pytest.mark.parametrize("after", [False, True])
+@pytest.mark.parametrize("outer", HOWS)
+@pytest.mark.parametrize("inner", HOWS)
+def test_a_checkpoint_nested_in_a_checkpoint(outer, inner, after, monkeypatch):
+    """Each level's recompute applies its own forward pass's patches. Where the
+    outer recompute makes the inner checkpoint again (a layer after it needs
+    that), the new inner pass replays the notes of the one it makes again."""
+    monkeypatch.setattr(Nested, "inner", inner)
+    monkeypatch.setattr(Nested, "after", after)
     patches = {**TRIPLE, **NEGATE}
-    got = _grads(m := _model("non_reentrant", Nested), _loss(m, patches))
-    _same(got, _grads(r := _model(None, Nested), _loss(r, patches)))
-    Nested.after = True
-    try:
-        model = _model("non_reentrant", Nested)
-        loss = _loss(model, patches)
-        with pytest.raises(RuntimeError, match=r"runs inside another checkpoint's "
-                           r"recompute \(a checkpoint nested in a checkpointed function\)"):
-            _grads(model, loss)
-        del loss
-        gc.collect()
-        _grads(model, _loss(model, None))  # without patches it runs as torch's
-    finally:
-        Nested.after = False
+    model, reference = _model(outer, Nested), _model(None, Nested)
+    _same(_grads(model, _loss(model, patches) + _loss(model, None)),
+          _grads(reference, _loss(reference, patches) + _loss(reference, None)))
+    # Without patches it runs as torch's, while another model's patched pass
+    # waits for its backward pass.
+    other = _model("non_reentrant")
+    waiting = _loss(other, TRIPLE)
+    _same(_grads(model, _loss(model, None)), _grads(reference, _loss(reference, None)))
+    _same(_grads(other, waiting), _grads(r := _model(None), _loss(r, TRIPLE)))
 
 
 class Flipping(Inner):
@@ -286,3 +292,35 @@ def test_a_recompute_that_calls_other_layers_raises():
     with pytest.raises(RuntimeError, match=r"called its layers in another order than its "
                        r"forward pass did.*Received: call 2 of the recompute is layer 'd1'"):
         _grads(model, _loss(model, TRIPLE))
+
+
+def test_gradients_inside_a_reentrant_checkpoint_are_refused_and_right_elsewhere():
+    """A reentrant checkpoint runs its forward pass without gradients: d loss / d a
+    point inside reads 0 there, so it raises; its outputs are captured right."""
+    model, reference = _model("reentrant"), _model(None)
+    for m in (model, reference):
+        m.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+    with pytest.raises(cs.LoopPointError, match=r"d loss / d `c/inner/d1` cannot be taken: "
+                       r"the point runs inside a reentrant torch checkpoint .*"
+                       r"use_reentrant=False"):
+        with cs.capture(model, "*", kinds=("grad",)):
+            model.fit(X, Y, batch_size=3, epochs=1, shuffle=False, verbose=0)
+    for kinds in [("output",), ("output", "grad")]:
+        caps = []
+        for how in ("non_reentrant", None):
+            m = _model(how)
+            m.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+            with cs.capture(m, "*", kinds=kinds) as cap:
+                m.fit(X, Y, batch_size=3, epochs=1, shuffle=False, verbose=0)
+            caps.append(cap)
+        assert sorted(caps[0].keys()) == sorted(caps[1].keys())
+        for key in caps[1].keys():
+            np.testing.assert_allclose(np.asarray(caps[0][key]), np.asarray(caps[1][key]),
+                                       rtol=1e-5, atol=1e-6, err_msg=key)
+    with cs.capture(model, "*") as cap:  # outputs only: right inside a reentrant one
+        model.fit(X, Y, batch_size=3, epochs=1, shuffle=False, verbose=0)
+    with cs.capture(reference, "*") as ref:
+        reference.fit(X, Y, batch_size=3, epochs=1, shuffle=False, verbose=0)
+    for key in ref.keys():
+        np.testing.assert_allclose(np.asarray(cap[key]), np.asarray(ref[key]), rtol=1e-5,
+                                   err_msg=key)

@@ -639,9 +639,6 @@ def in_torch_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-HIDDEN = "hidden"  # `torch_checkpoint`: a checkpoint under a saved-tensors hook of another kind
-
-
 def torch_checkpoint(forward: bool):
     """torch: the `torch.utils.checkpoint` pass this thread runs in, as `(pass,
     recompute)`. `pass` is torch's own object for one checkpointed forward pass,
@@ -649,8 +646,7 @@ def torch_checkpoint(forward: bool):
     recompute it). `recompute` is None in the forward pass and, in a recompute, the
     id of the backward pass it serves (one recompute each). None outside a
     checkpoint; `forward=False` answers only where a recompute may run (in a
-    backward pass, or under a saved-tensors hook). `HIDDEN`: a checkpoint lies
-    under a saved-tensors hook of another kind, so which pass it is cannot be told.
+    backward pass, or under a saved-tensors hook).
 
     (torch 2.13.0, torch/utils/checkpoint.py. Non-reentrant, the default of
     `keras.remat`: the innermost saved-tensors hooks are `_checkpoint_hook(frame)`
@@ -658,11 +654,14 @@ def torch_checkpoint(forward: bool):
     recompute, and their pack hooks close over `frame`, `target_frame_ref` and
     `gid`. Reentrant: `CheckpointFunction.forward(ctx, ...)` runs the function
     under no_grad and `CheckpointFunction.backward(ctx, ...)` runs it again, with
-    no hooks; they are found on the Python stack, which is walked only there.)"""
+    no hooks. Those (under no_grad, inside a non-reentrant one too), and a
+    checkpoint under hooks of another kind (`save_on_cpu` opened inside its
+    function), are found on the Python stack, which is walked only there.)"""
     import torch
 
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
-    if hooks is not None:
+    grad = torch.is_grad_enabled()
+    if hooks is not None and grad:  # (else a reentrant forward pass may be inside)
         pack = inspect.unwrap(hooks[0])  # (torch._dynamo.disable wraps the recompute's)
         kind = getattr(pack, "__qualname__", "").partition(".")[0]
         if kind == "_checkpoint_hook":
@@ -670,10 +669,46 @@ def torch_checkpoint(forward: bool):
         if kind == "_recomputation_hook":
             cells = _closed_over(pack)
             return cells["target_frame_ref"](), cells["gid"]
-    backward = torch._C._current_graph_task_id() != -1
-    if hooks is None and not backward and (torch.is_grad_enabled() or not forward):
+    elif hooks is None and torch._C._current_graph_task_id() == -1 and (grad or not forward):
         return None  # (a reentrant forward pass runs under no_grad)
-    return _checkpoint_on_stack(hidden=hooks is not None)
+    return next(torch_checkpoints_on_stack(), None)
+
+
+def torch_checkpoints_on_stack():
+    """The `torch_checkpoint` places of every checkpoint the running Python is
+    inside, innermost first, found on its stack (see `torch_checkpoint`)."""
+    import sys
+
+    import torch
+
+    forward, backward, function, unpack = _checkpoint_code()
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code is forward:
+            yield frame.f_locals["ctx"], None
+        elif code is backward:
+            yield frame.f_locals["ctx"], torch._C._current_graph_task_id()
+        elif code is function:  # a non-reentrant forward pass: its generator's frame
+            state = frame.f_locals.get("gen")
+            if state is not None and state.gi_frame is not None:
+                yield state.gi_frame.f_locals["new_frame"], None
+        elif code is unpack:  # a non-reentrant recompute
+            found = frame.f_locals
+            yield found["frame"], found["gid"]
+        frame = frame.f_back
+
+
+def in_reentrant_checkpoint_forward() -> bool:
+    """torch: does a reentrant checkpoint's forward pass (run under no_grad) hold
+    the running Python? (See `torch_checkpoint`; the stack is walked.)"""
+    import sys
+
+    forward = _checkpoint_code()[0]
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code is not forward:
+        frame = frame.f_back
+    return frame is not None
 
 
 def _closed_over(function) -> dict:
@@ -689,26 +724,7 @@ def _checkpoint_code():
                   if inspect.iscode(c) and c.co_name == "unpack_hook")
     return (checkpoint.CheckpointFunction.forward.__code__,
             checkpoint.CheckpointFunction.backward.__code__,
-            {inspect.unwrap(checkpoint.checkpoint).__code__, unpack})
-
-
-def _checkpoint_on_stack(hidden: bool):
-    import sys
-
-    import torch
-
-    forward, backward, non_reentrant = _checkpoint_code()
-    frame = sys._getframe(2)
-    while frame is not None:
-        code = frame.f_code
-        if code is forward:
-            return frame.f_locals["ctx"], None
-        if code is backward:
-            return frame.f_locals["ctx"], torch._C._current_graph_task_id()
-        if hidden and code in non_reentrant:
-            return HIDDEN
-        frame = frame.f_back
-    return None
+            inspect.unwrap(checkpoint.checkpoint).__code__, unpack)
 
 
 def is_graph_model(layer) -> bool:

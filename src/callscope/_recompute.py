@@ -12,8 +12,10 @@ order, what each wrapped layer call and each `cs.sow` inside it applied, under
 torch's own object for that pass (`_keras_compat.torch_checkpoint`). Its
 recompute replays the notes in the same order. Passes patched in different ways,
 threads and retained graphs each replay their own, and a pass's notes go when
-torch drops the pass. Where a recompute cannot be matched to its forward pass, it
-raises rather than run with patches that may be another pass's.
+torch drops the pass. A checkpoint nested in a checkpointed function is made
+again by the outer pass's recompute: the outer pass notes where it began, and the
+new pass replays its notes. Where a recompute cannot be matched to its forward
+pass, it raises rather than run with patches that may be another pass's.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ import weakref
 from callscope import _keras_compat
 
 _PASSES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # torch's pass -> _Notes
+_REMADE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # pass -> replay id
 _LOCK = threading.Lock()
+_NESTED = ("nested",)  # `who` of a checkpoint nested in a checkpointed function
 
 
 class _Notes:
@@ -47,27 +51,10 @@ def where(patched: bool):
     """`(pass, recompute)` (see `_keras_compat.torch_checkpoint`) for a call now;
     None outside a checkpoint, or where nothing needs noting or replaying."""
     place = _keras_compat.torch_checkpoint(forward=patched)
-    if place is _keras_compat.HIDDEN:
-        if not patched and not live():
-            return None
-        raise RuntimeError(
-            "callscope cannot tell which torch checkpoint pass a patched layer runs "
-            "in: a saved-tensors hook of another kind (e.g. "
-            "`torch.autograd.graph.save_on_cpu`) is open inside the checkpointed "
-            "function, so its recompute in the backward pass could not apply the "
-            "patches of its own forward pass. Open that hook around the checkpoint "
-            "instead, or patch the layer that makes the checkpoint."
-        )
     if place is None or place[1] is not None:
         return place
-    if _keras_compat.in_torch_backward() and live():
-        raise RuntimeError(
-            "callscope cannot replay patches in a torch checkpoint that runs inside "
-            "another checkpoint's recompute (a checkpoint nested in a checkpointed "
-            "function): the inner pass made there is a new one, and which forward "
-            "pass it repeats cannot be told. Checkpoint at one level only, or patch "
-            "the layer that makes the outer checkpoint."
-        )
+    if _keras_compat.in_torch_backward():
+        return _remade(place[0])
     return place if patched else None
 
 
@@ -76,8 +63,7 @@ def note(place, who, applied) -> None:
     wrapper, or a sown name) applied `applied` (None: nothing)."""
     notes = _PASSES.get(place[0])
     if notes is None:
-        with _LOCK:
-            notes = _PASSES.setdefault(place[0], _Notes())
+        notes = _begin(place[0])
     notes.calls.append((who, applied))
 
 
@@ -87,16 +73,18 @@ def replayed(place, who):
     notes = _PASSES.get(place[0])
     if notes is None:
         return None
-    if notes.recompute != place[1]:  # (torch stops a recompute early when it can)
-        notes.recompute, notes.next = place[1], 0
+    recompute = (id(place[0]), place[1])
+    if notes.recompute != recompute:  # (torch stops a recompute early when it can)
+        notes.recompute, notes.next = recompute, 0
     if notes.next >= len(notes.calls) or notes.calls[notes.next][0] != who:
         raise RuntimeError(
             "A torch checkpoint's recompute in the backward pass called its layers "
             "in another order than its forward pass did, so callscope cannot apply "
             "each call's patches again. The checkpointed function must call the "
-            f"same layers in the same order each time. Received: call "
-            f"{notes.next + 1} of the recompute is {_named(who)}, where the forward "
-            f"pass made {len(notes.calls)} calls"
+            "same layers in the same order each time, and open no `cs.patch` or "
+            "`cs.capture` inside itself (open them around the checkpoint). Received: "
+            f"call {notes.next + 1} of the recompute is {_named(who)}, where the "
+            f"forward pass made {len(notes.calls)} calls"
             + (f", that one {_named(notes.calls[notes.next][0])}"
                if notes.next < len(notes.calls) else "")
         )
@@ -105,12 +93,46 @@ def replayed(place, who):
     return applied
 
 
+def _begin(checkpoint) -> _Notes:
+    """The notes of a pass's first call. A pass nested in another checkpointed
+    function is noted in the outer pass too, where it began: the outer pass's
+    recompute makes it again (`_remade`)."""
+    with _LOCK:
+        notes = _PASSES.setdefault(checkpoint, _Notes())
+    places = _keras_compat.torch_checkpoints_on_stack()
+    if any(p[0] is checkpoint for p in places):  # (those after it enclose it)
+        outer = next(places, None)
+        if outer is not None and outer[1] is None:
+            note(outer, _NESTED, notes)
+    return notes
+
+
+def _remade(checkpoint):
+    """A checkpoint's forward pass inside a backward pass: one nested in a
+    checkpointed function, made again by the outer pass's recompute. Its calls
+    replay the notes of the pass it makes again, which the outer pass noted where
+    it began."""
+    token = _REMADE.get(checkpoint)
+    if token is None:
+        outer = next((p for p in _keras_compat.torch_checkpoints_on_stack()
+                      if p[1] is not None), None)
+        if outer is None or outer[0] not in _PASSES:
+            return None  # (its forward pass had no patches active: nothing to replay)
+        notes = replayed(outer, _NESTED)
+        with _LOCK:
+            _PASSES[checkpoint] = notes
+            _REMADE[checkpoint] = token = object()
+    return checkpoint, token
+
+
 def sown(layer, name: str) -> tuple:
     """`who` for a `cs.sow` of `name` on `layer`."""
     return ("sow", layer.name, name, id(layer))
 
 
 def _named(who) -> str:
+    if who == _NESTED:
+        return "a nested checkpoint"
     if isinstance(who, tuple):  # `sown(layer, name)`
         return f"cs.sow of {who[2]!r} on layer {who[1]!r}"
     return f"layer {who.layer.name!r}"

@@ -257,6 +257,15 @@ class Collector:
                     value = value + self.perturbations[name]
                 if self.on_grad_source is not None:
                     value = self.on_grad_source(value)
+                    if _reentrant_forward():
+                        raise LoopPointError(
+                            f"d loss / d `{point}` cannot be taken: the point runs inside "
+                            "a reentrant torch checkpoint (`torch.utils.checkpoint(..., "
+                            "use_reentrant=True)`), whose forward pass runs without "
+                            "gradients, so its gradient would read 0. Checkpoint with "
+                            "`use_reentrant=False` (torch's recommendation), or take the "
+                            "gradient of the layer that makes the checkpoint."
+                        )
                 sources.append(value)
         return value
 
@@ -381,6 +390,15 @@ def _differentiable_source():
     if _TORCH:
         return lambda v: v if v.requires_grad else v.detach().requires_grad_()
     return None
+
+
+def _reentrant_forward() -> bool:
+    """torch: is this gradient source made where no graph is recorded, inside a
+    reentrant checkpoint's forward pass (`LoopPointError`)? Elsewhere under no_grad
+    (evaluate, predict) there is no gradient to take, and none is asked for."""
+    import torch
+
+    return not torch.is_grad_enabled() and _keras_compat.in_reentrant_checkpoint_forward()
 
 
 def active_collector() -> Collector | None:
