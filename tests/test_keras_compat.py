@@ -1,5 +1,6 @@
 """Fail loudly if Keras moves an internal that callscope relies on."""
 
+import inspect
 import pathlib
 import re
 
@@ -158,3 +159,7 @@ def test_torch_checkpoint_passes_are_told_apart_and_found_again(reentrant):
     assert _keras_compat.torch_checkpoint(forward=True) is None
     with torch.no_grad():
         assert _keras_compat.torch_checkpoint(forward=True) is None
+    # The code objects the stack walk looks for (reentrant forward and backward,
+    # the non-reentrant `checkpoint` function and its recompute's unpack hook).
+    codes = _keras_compat._checkpoint_code()
+    assert len(codes) == 4 and all(inspect.iscode(c) for c in codes), codes

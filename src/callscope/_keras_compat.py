@@ -639,14 +639,16 @@ def in_torch_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def torch_checkpoint(forward: bool):
+def torch_checkpoint(forward: bool, enclosing=None):
     """torch: the `torch.utils.checkpoint` pass this thread runs in, as `(pass,
     recompute)`. `pass` is torch's own object for one checkpointed forward pass,
     the same object in its recompute (so it lives as long as the graph that may
     recompute it). `recompute` is None in the forward pass and, in a recompute, the
     id of the backward pass it serves (one recompute each). None outside a
     checkpoint; `forward=False` answers only where a recompute may run (in a
-    backward pass, or under a saved-tensors hook).
+    backward pass, or under a saved-tensors hook). `enclosing`: `(code, local)` of
+    a caller that holds the answer for itself in that local (a layer call around
+    this one): a walk of the stack stops there, taking it.
 
     (torch 2.13.0, torch/utils/checkpoint.py. Non-reentrant, the default of
     `keras.remat`: the innermost saved-tensors hooks are `_checkpoint_hook(frame)`
@@ -671,10 +673,10 @@ def torch_checkpoint(forward: bool):
             return cells["target_frame_ref"](), cells["gid"]
     elif hooks is None and torch._C._current_graph_task_id() == -1 and (grad or not forward):
         return None  # (a reentrant forward pass runs under no_grad)
-    return next(torch_checkpoints_on_stack(), None)
+    return next(torch_checkpoints_on_stack(enclosing), None)
 
 
-def torch_checkpoints_on_stack():
+def torch_checkpoints_on_stack(enclosing=None):
     """The `torch_checkpoint` places of every checkpoint the running Python is
     inside, innermost first, found on its stack (see `torch_checkpoint`)."""
     import sys
@@ -685,6 +687,12 @@ def torch_checkpoints_on_stack():
     frame = sys._getframe(1)
     while frame is not None:
         code = frame.f_code
+        if enclosing is not None and code is enclosing[0]:
+            held = frame.f_locals  # (a frame still asking has the local unbound)
+            if enclosing[1] in held:
+                if held[enclosing[1]] is not None:
+                    yield held[enclosing[1]]
+                return
         if code is forward:
             yield frame.f_locals["ctx"], None
         elif code is backward:

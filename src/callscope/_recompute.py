@@ -47,10 +47,11 @@ def live() -> bool:
     return bool(_PASSES)
 
 
-def where(patched: bool):
+def where(patched: bool, enclosing=None):
     """`(pass, recompute)` (see `_keras_compat.torch_checkpoint`) for a call now;
-    None outside a checkpoint, or where nothing needs noting or replaying."""
-    place = _keras_compat.torch_checkpoint(forward=patched)
+    None outside a checkpoint, or where nothing needs noting or replaying.
+    `enclosing`: where a layer call around this one holds its own answer."""
+    place = _keras_compat.torch_checkpoint(forward=patched, enclosing=enclosing)
     if place is None or place[1] is not None:
         return place
     if _keras_compat.in_torch_backward():

@@ -534,7 +534,7 @@ def sow(layer: keras.layers.Layer, name: str, value: Any) -> Any:
     checkpoint = None  # torch: the checkpoint pass this call is part of (`_recompute`)
     if _TORCH and (collector is not None or _recompute.live()) and (
             not _backend.is_tracing_now()):
-        checkpoint = _recompute.where(patched=patches is not None)
+        checkpoint = _recompute.where(patched=patches is not None, enclosing=_ENCLOSING)
         if checkpoint is not None and checkpoint[1] is not None:  # its recompute
             noted = _recompute.replayed(checkpoint, _recompute.sown(layer, name))
             if noted is None or noted[1] is None:
@@ -635,14 +635,17 @@ class RecordingCall:
         original = self.__wrapped__
         collector = _ACTIVE.collector
         patches = _ACTIVE.patches
-        checkpoint = None  # torch: the checkpoint pass this call is part of (`_recompute`)
         if _TORCH and (collector is not None or _recompute.live()) and (
                 not _backend.is_tracing_now()):
-            # (Not under torch.compile: a write there recompiles per layer, and
-            # AOTAutograd's backward reruns no Python.)
-            checkpoint = _recompute.where(patched=patches is not None)
+            # torch: the checkpoint pass this call is part of (`_recompute`). Not
+            # under torch.compile: a write there recompiles per layer, and
+            # AOTAutograd's backward reruns no Python. (Unbound until `where`
+            # answers, so that its walk of the stack passes this frame by.)
+            checkpoint = _recompute.where(patched=patches is not None, enclosing=_ENCLOSING)
             if checkpoint is not None and checkpoint[1] is not None:
                 return self.replay(checkpoint, args, kwargs)
+        else:
+            checkpoint = None
         if collector is None or _symbolic(args, kwargs):
             if checkpoint is not None:
                 _recompute.note(checkpoint, self, None)
@@ -733,6 +736,11 @@ class RecordingCall:
                     if _is_tensor(leaf):
                         named.append(("/".join([label, *map(str, path)]), leaf))
         return named
+
+
+# A layer call's checkpoint place, in its `__call__`'s local `checkpoint`: the
+# stack walk of a call inside it stops there (`_keras_compat.torch_checkpoint`).
+_ENCLOSING = (RecordingCall.__call__.__code__, "checkpoint")
 
 
 def _is_tensor(value) -> bool:
