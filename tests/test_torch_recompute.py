@@ -275,6 +275,41 @@ def test_a_checkpoint_nested_in_a_checkpoint(outer, inner, after, monkeypatch):
     _same(_grads(other, waiting), _grads(r := _model(None), _loss(r, TRIPLE)))
 
 
+class Deeper(Nested):
+    """Three levels: this body checkpoints Nested's, which checkpoints Inner's."""
+
+    def body(self, t):
+        return self.d2(checkpoint(super().body, t, use_reentrant=False))
+
+
+@pytest.mark.parametrize("inner", HOWS)
+def test_three_levels_of_checkpoints(inner, monkeypatch):
+    monkeypatch.setattr(Nested, "inner", inner)
+    for after in (False, True):
+        monkeypatch.setattr(Nested, "after", after)
+        for patches in ({**TRIPLE, **NEGATE}, {"c/inner/d2": lambda v: v * -2.0}):
+            model, reference = _model("non_reentrant", Deeper), _model(None, Deeper)
+            _same(_grads(model, _loss(model, patches) + _loss(model, None)),
+                  _grads(reference, _loss(reference, patches) + _loss(reference, None)))
+
+
+@pytest.mark.parametrize("patches", [None, TRIPLE])
+def test_captures_through_nested_checkpoints_are_those_without_them(patches):
+    """A pass made again by an outer recompute records nothing again."""
+    caps = []
+    for how in ("non_reentrant", None):
+        model = _model(how, Deeper)
+        model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+        patching = cs.patch(model, patches) if patches else contextlib.nullcontext()
+        with patching, cs.capture(model, "*", kinds=("output", "grad")) as cap:
+            model.fit(X, Y, batch_size=3, epochs=1, shuffle=False, verbose=0)
+        caps.append(cap)
+    assert sorted(caps[0].keys()) == sorted(caps[1].keys())
+    for key in caps[1].keys():
+        np.testing.assert_allclose(np.asarray(caps[0][key]), np.asarray(caps[1][key]),
+                                   rtol=1e-5, atol=1e-6, err_msg=key)
+
+
 class Flipping(Inner):
     """Calls its layers in another order each time: a recompute cannot repeat it."""
 

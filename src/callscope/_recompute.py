@@ -29,6 +29,7 @@ _PASSES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # torch's pass
 _REMADE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # pass -> replay id
 _LOCK = threading.Lock()
 _NESTED = ("nested",)  # `who` of a checkpoint nested in a checkpointed function
+_UNNOTED = ("unnoted",)  # `_remade`: a pass made again whose forward pass noted nothing
 
 
 class _Notes:
@@ -110,19 +111,25 @@ def _begin(checkpoint) -> _Notes:
 
 def _remade(checkpoint):
     """A checkpoint's forward pass inside a backward pass: one nested in a
-    checkpointed function, made again by the outer pass's recompute. Its calls
-    replay the notes of the pass it makes again, which the outer pass noted where
-    it began."""
+    checkpointed function, made again by the outer pass's recompute (or by an
+    outer pass made again itself). Its calls replay the notes of the pass it
+    makes again, which the outer pass noted where it began; where there are none
+    (no patches were active), they replay nothing, and record nothing again."""
     token = _REMADE.get(checkpoint)
     if token is None:
-        outer = next((p for p in _keras_compat.torch_checkpoints_on_stack()
-                      if p[1] is not None), None)
-        if outer is None or outer[0] not in _PASSES:
-            return None  # (its forward pass had no patches active: nothing to replay)
-        notes = replayed(outer, _NESTED)
+        token = _UNNOTED
+        places = _keras_compat.torch_checkpoints_on_stack()
+        if any(p[0] is checkpoint for p in places):  # (those after it enclose it)
+            outer = next(places, None)
+            if outer is not None and outer[1] is None:  # made again itself
+                outer = _remade(outer[0])
+            if outer is not None and outer[0] in _PASSES:
+                notes = replayed(outer, _NESTED)
+                with _LOCK:
+                    _PASSES[checkpoint] = notes
+                token = object()
         with _LOCK:
-            _PASSES[checkpoint] = notes
-            _REMADE[checkpoint] = token = object()
+            _REMADE[checkpoint] = token
     return checkpoint, token
 
 
