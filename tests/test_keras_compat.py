@@ -163,3 +163,27 @@ def test_torch_checkpoint_passes_are_told_apart_and_found_again(reentrant):
     # the non-reentrant `checkpoint` function and its recompute's unpack hook).
     codes = _keras_compat._checkpoint_code()
     assert len(codes) == 4 and all(inspect.iscode(c) for c in codes), codes
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="torch's checkpoint")
+def test_torch_reentrant_forward_pass_is_told_from_the_others():
+    """`in_reentrant_checkpoint_forward` tells a reentrant checkpoint's forward pass
+    (no graph: d loss / d a point there raises) from a non-reentrant one's, from
+    either recompute, and from a non-reentrant pass nested in a reentrant one."""
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    seen = []
+
+    def body(t):
+        seen.append(_keras_compat.in_reentrant_checkpoint_forward())
+        return t.sin()
+
+    x = torch.ones(2, requires_grad=True)
+    for reentrant in (True, False):
+        checkpoint(body, x, use_reentrant=reentrant).sum().backward()
+    checkpoint(lambda t: checkpoint(body, t, use_reentrant=False), x,
+               use_reentrant=True).sum().backward()
+    assert seen == [True, False, False, False, True, False, False], (
+        f"torch {torch.__version__} changed: {seen}")
+    assert not _keras_compat.in_reentrant_checkpoint_forward()

@@ -709,14 +709,13 @@ def torch_checkpoints_on_stack(enclosing=None):
 
 def in_reentrant_checkpoint_forward() -> bool:
     """torch: does a reentrant checkpoint's forward pass (run under no_grad) hold
-    the running Python? (See `torch_checkpoint`; the stack is walked.)"""
-    import sys
+    the running Python? (See `torch_checkpoint`: its places on the stack, where a
+    non-reentrant pass is a `_CheckpointFrame` and a reentrant one the ctx of
+    `CheckpointFunction`, torch 2.13.0.)"""
+    from torch.utils.checkpoint import _CheckpointFrame
 
-    forward = _checkpoint_code()[0]
-    frame = sys._getframe(1)
-    while frame is not None and frame.f_code is not forward:
-        frame = frame.f_back
-    return frame is not None
+    return any(recompute is None and not isinstance(place, _CheckpointFrame)
+               for place, recompute in torch_checkpoints_on_stack())
 
 
 def _closed_over(function) -> dict:
