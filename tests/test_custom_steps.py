@@ -119,3 +119,63 @@ def test_stateless_call_propagates_context_and_training():
     with cs.context(debugging=True):
         out, _ = model.stateless_call(tv, ntv, X)
     np.testing.assert_allclose(np.asarray(out), X + 100)
+
+
+def _dynamic_step_model(traces):
+    """A custom `test_step` that reads a dynamic value with `cs.current` in its own
+    code (outside any layer call) and scales the loss by it, per backend style."""
+
+    class Net(cs.Model):
+        def __init__(self):
+            super().__init__()
+            self.dense = keras.layers.Dense(1, kernel_initializer="ones", use_bias=False)
+            self.register_context_args("temperature", dynamic=True)
+
+        def call(self, x):
+            return self.dense(x)
+
+    if BACKEND == "jax":
+        class Custom(Net):
+            def test_step(self, state, data):  # the stateless JAX style
+                traces.append("test")
+                tv, ntv, mv = state
+                x, y = data
+                t = cs.current("temperature")
+                y_pred, ntv = self.stateless_call(tv, ntv, x)
+                loss = keras.ops.mean((y_pred - y) ** 2) * t
+                return {"scaled": loss, "t": keras.ops.mean(t)}, (tv, ntv, mv)
+    else:
+        class Custom(Net):
+            def test_step(self, data):
+                traces.append("test")
+                x, y = data
+                t = cs.current("temperature")
+                loss = keras.ops.mean((self(x) - y) ** 2) * t
+                return {"scaled": loss, "t": keras.ops.mean(t)}
+
+    return Custom()
+
+
+def test_dynamic_value_read_in_own_step_code():
+    """`cs.current(<dynamic name>)` in a custom step's own code is the call's value
+    (on JAX the value lives in the step's state: Keras's loop purges the variable),
+    with no retrace per value, from an argument, a scope and fit's validation."""
+    traces = []
+    model = _dynamic_step_model(traces)
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+    error = float(np.mean((X.sum(axis=1, keepdims=True) - Y - 1.0) ** 2))
+    y = Y + 1.0
+    for t in (2.0, 5.0):
+        logs = model.evaluate(X, y, temperature=t, batch_size=4, verbose=0, return_dict=True)
+        assert logs["t"] == pytest.approx(t)
+        assert logs["scaled"] == pytest.approx(t * error, rel=1e-6)
+        traced = len(traces)  # (a tf.function traces twice at its first call)
+    with cs.context(temperature=3.0):
+        logs = model.evaluate(X, y, batch_size=4, verbose=0, return_dict=True)
+    assert logs["t"] == pytest.approx(3.0)
+    history = model.fit(X, y, temperature=0.5, validation_data=(X, y), batch_size=4,
+                        epochs=1, verbose=0)
+    assert history.history["val_t"] == pytest.approx([0.5])
+    assert history.history["val_scaled"] == pytest.approx([0.5 * error], rel=1e-6)
+    if BACKEND != "torch":  # torch runs its steps eagerly: a call per step, not a trace
+        assert len(traces) == traced, traces

@@ -218,6 +218,43 @@ def test_intermediate_grads_helper_for_your_own_steps():
     assert float(numpy(result.loss)) > 0
 
 
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_intermediate_grads_read_the_scope_values(dynamic):
+    """`loss_fn` is traced anew at each call (JAX), so a `cs.context` value reaches
+    it: d sum((scale * h)^2) / dh = 2 scale^2 h, with h = 3."""
+
+    @cs.context_args("scale")
+    class Scale(keras.layers.Layer):
+        def call(self, h, scale=None):
+            return h if scale is None else h * scale
+
+    class Net(cs.Model):
+        def __init__(self):
+            super().__init__(name="net")
+            self.d = keras.layers.Dense(1, kernel_initializer="ones", name="d")
+            self.s = Scale(name="s")
+            self.register_context_args("scale", dynamic=dynamic)
+
+        def call(self, x):
+            return self.s(self.d(x))
+
+    x = keras.ops.ones((4, 3))
+    net = Net()
+    net(x)
+    if BACKEND == "jax":
+        tv = [v.value for v in net.trainable_variables]
+        ntv = [v.value for v in net.non_trainable_variables]
+        loss_fn = lambda x: keras.ops.sum(net.stateless_call(tv, ntv, x)[0] ** 2)  # noqa: E731
+    else:
+        loss_fn = lambda x: keras.ops.sum(net(x) ** 2)  # noqa: E731
+    grad = cs.intermediate_grads(net, loss_fn, x, select="net/d").grads["net/d:grad"]
+    np.testing.assert_allclose(numpy(grad), np.full((4, 1), 6.0))
+    for scale in (3.0, 0.5):
+        with cs.context(scale=scale):
+            grad = cs.intermediate_grads(net, loss_fn, x, select="net/d").grads["net/d:grad"]
+        np.testing.assert_allclose(numpy(grad), np.full((4, 1), 6.0 * scale**2), rtol=1e-6)
+
+
 @pytest.mark.skipif(BACKEND != "torch", reason="only torch runs steps eagerly, with live tensors")
 @pytest.mark.parametrize("method", ["fit", "evaluate"])
 def test_a_gradient_capture_keeps_no_step_tensor_alive(method):

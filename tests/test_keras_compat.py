@@ -121,6 +121,19 @@ def test_a_checkpoint_body_is_counted_and_tf_recording_stopped_is_seen():
         assert seen == [True], "tensorflow changed how recompute_grad runs its body"
 
 
+def test_stateless_value_reads_the_innermost_scope_only():
+    """`stateless_value` reads keras's StatelessScope: the mapped value inside,
+    None outside or for a variable the scope does not map."""
+    import numpy as np
+
+    mapped, other = keras.Variable(1.0), keras.Variable(2.0)
+    assert _keras_compat.stateless_value(mapped) is None
+    with keras.StatelessScope(state_mapping=[(mapped, keras.ops.ones(()) * 5.0)]):
+        assert float(np.asarray(_keras_compat.stateless_value(mapped))) == 5.0
+        assert _keras_compat.stateless_value(other) is None
+    assert _keras_compat.stateless_value(mapped) is None
+
+
 @pytest.mark.skipif(BACKEND != "torch", reason="torch's autograd engine")
 def test_torch_backward_is_seen_where_a_checkpoint_recomputes():
     import torch

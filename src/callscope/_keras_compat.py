@@ -195,6 +195,17 @@ def state_mapping(model, state) -> list:
     return pairs
 
 
+def stateless_value(variable):
+    """`variable`'s value in the innermost `keras.StatelessScope`, or None where
+    no scope holds it (keras 3.15.1: backend/common/stateless_scope.py; the
+    public `variable.value` falls back to the variable itself, purged on JAX
+    while Keras's loop runs)."""
+    from keras.src.backend.common.stateless_scope import get_stateless_scope
+
+    scope = get_stateless_scope()
+    return None if scope is None else scope.get_current_value(variable)
+
+
 def own_compile_cache(function, *, eager: bool = False):
     """A made function that Keras compiled with `torch.compile` (keras 3.15.1
     backend/torch/trainer.py:128, 149, 170: `torch.compile(one_step_on_data)`),

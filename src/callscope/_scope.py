@@ -31,7 +31,7 @@ from typing import Any
 
 import keras
 
-from callscope import _backend
+from callscope import _backend, _keras_compat
 
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
 
@@ -135,7 +135,10 @@ STRAY_VALUE = (
     "would be frozen into that function and silently reused by later calls. "
     "Fix: make the model that compiles the function know the name. "
     "Call `outer = cs.enable(outer)` and `outer.register_context_args({name!r})`, "
-    "or decorate its class with `@cs.context_args({name!r})`. Received: {name}={value!r}"
+    "or decorate its class with `@cs.context_args({name!r})`. In a function you "
+    "compile yourself (`jax.jit`, `tf.function`), pass the value to the model's "
+    "call instead (`model(x, {name}=...)`), where the trace sees it. "
+    "Received: {name}={value!r}"
 )
 
 
@@ -272,9 +275,40 @@ def current(name: str, default: Any = None) -> Any:
     value = lookup(name, tracing=tracing)
     if value is None:
         return default
-    if isinstance(value, keras.Variable):
-        return value.value
+    if isinstance(value, keras.Variable):  # a dynamic value
+        return variable_value(value)
     return value
+
+
+# JAX: id(variable) -> its value in the state of the step being traced, for the
+# dynamic values' variables (`step_state`).
+_STEP_STATE: contextvars.ContextVar = contextvars.ContextVar("callscope_step_state",
+                                                             default=None)
+
+
+def variable_value(variable):
+    """A dynamic value's variable, read where the caller runs. Inside a JAX step,
+    Keras's loop holds the value in the step's state and has purged it from the
+    variable: a `keras.StatelessScope` (`stateless_call`) maps it, and elsewhere
+    in the step (a stateless `train_step`'s own code) the state does."""
+    state = _STEP_STATE.get()
+    if state is not None and id(variable) in state and (
+            _keras_compat.stateless_value(variable) is None):
+        return state[id(variable)]
+    return variable.value
+
+
+def enter_step_state(model, state):
+    """JAX: while a step traces, its state's values of the dynamic values'
+    variables (`variable_value`); returns the token for `exit_step_state`."""
+    hidden = {id(v): i for i, v in enumerate(model.non_trainable_variables)}
+    found = {id(v): state[1][hidden[id(v)]] for v in model._cs.dynamic.values()
+             if v is not None and id(v) in hidden}
+    return _STEP_STATE.set(found or None)
+
+
+def exit_step_state(token) -> None:
+    _STEP_STATE.reset(token)
 
 
 # --------------------------------------------------------------------------
