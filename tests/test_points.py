@@ -335,6 +335,80 @@ def test_sow_names_are_validated(name):
         model.predict(X, verbose=0)
 
 
+class _SowsASublayersName(layers.Layer):
+    def __init__(self, sown, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = layers.Dense(4, name="dense")
+        self.sown = sown
+
+    def call(self, x):
+        h = self.dense(x)
+        cs.sow(self, self.sown, h + 100.0)
+        return {"h": h, "relu": ops.relu(h)}
+
+
+@pytest.mark.parametrize("sown, clash", [("dense", "the output of its sublayer `dense`"),
+                                         ("relu", "an element of its output")])
+def test_a_sown_name_that_is_already_a_point_is_refused(sown, clash):
+    """A sow named like a sublayer (or an output element) would share its point,
+    read back as `@0` and `@1` of one point that ran once: refused wherever the
+    points are named (capture, patch, cs.points), the default capture included."""
+    inputs = keras.Input((4,))
+    model = cs.Model(inputs, _SowsASublayersName(sown, name="b0")(inputs)["h"], name="net")
+    message = (rf"`cs.sow\(self, '{sown}', ...\)` in `b0` names the point `net/b0/{sown}`, "
+               rf"which is also {clash}: .*Received: name='{sown}'")
+    for run in (lambda: cs.points(model, X),
+                lambda: _captured(model, f"net/b0/{sown}"),
+                lambda: _captured(model, None),
+                lambda: _patched(model, f"net/b0/{sown}")):
+        with pytest.raises(ValueError, match=message):
+            run()
+    np.testing.assert_allclose(model.predict(X, verbose=0),  # nothing left behind
+                               numpy(model.get_layer("b0").dense(X)), rtol=1e-6)
+    fine = cs.Model(inputs, _SowsASublayersName("pre", name="b0")(inputs)["h"], name="net")
+    with cs.capture(fine, ["net/b0/dense", "net/b0/pre"]) as cap:
+        fine.predict(X, verbose=0)
+    assert sorted(cap.keys()) == ["net/b0/dense:output", "net/b0/pre:output"]
+    np.testing.assert_allclose(cap["net/b0/pre:output"], cap["net/b0/dense:output"] + 100.0,
+                               rtol=1e-6)
+
+
+class _SowsASublayersOutput(layers.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.gate = layers.Dense(4, activation="sigmoid")
+
+    def call(self, x):
+        return x * cs.sow(self, "gate", self.gate(x))  # its point is the sublayer's
+
+
+def test_a_sublayers_own_output_sown_under_its_point_is_that_one_point():
+    """`self.gate` sown as "gate" names the sublayer's point with its very output:
+    one point that ran once, selected by default and by name, patched once."""
+    inputs = keras.Input((4,))
+    model = cs.Model(inputs, _SowsASublayersOutput(name="b0")(inputs), name="net")
+    gate = numpy(model.get_layer("b0").gate(X))
+    assert sorted(cs.points(model, X)) == ["net", "net/b0", "net/b0/gate"]
+    for select in (None, "net/b0/gate", ["*", "net/b0/gate"]):
+        with cs.capture(model, select) as cap:
+            model.predict(X, verbose=0)
+        keys = [k for k in cap.keys() if k.startswith("net/b0/gate")]
+        assert keys == ["net/b0/gate:output"], (select, sorted(cap.keys()))
+        np.testing.assert_allclose(cap["net/b0/gate:output"], gate, rtol=1e-6)
+    with cs.patch(model, {"net/b0/gate": lambda g: g * 2.0}):  # once, not twice
+        np.testing.assert_allclose(model.predict(X, verbose=0), X * 2.0 * gate, rtol=1e-5)
+
+
+def _captured(model, select):
+    with cs.capture(model, select):
+        model.predict(X, verbose=0)
+
+
+def _patched(model, point):
+    with cs.patch(model, {point: keras.ops.zeros_like}):
+        model.predict(X, verbose=0)
+
+
 def test_to_refuses_a_directory_with_files_unless_overwrite(tmp_path):
     model = _seq()
     (tmp_path / "0000.bin").write_bytes(b"mine")

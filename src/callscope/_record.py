@@ -232,17 +232,20 @@ class Collector:
 
     # -- recording ---------------------------------------------------------
     def record(self, point: str, layer: Any, kind: str, value: Any, sown: bool,
-               parent: str | None = None) -> Any:
+               parent: str | None = None, skip=()) -> Any:
         """Records `value` for every spec that selects it; returns the value to use.
 
         `kind` is `output`, `input` or `input/<argument>`. `parent` is the layer's
         point when `point` is one element of its output: selecting either selects
         the element. For a `grad` spec the value is also a gradient source: with a
         perturbation active (JAX), the returned value is `value + perturbation`, so
-        the gradient with respect to the perturbation is d loss / d value.
+        the gradient with respect to the perturbation is d loss / d value. The
+        specs numbered in `skip` recorded it already.
         """
         kept = None  # what the records keep: `value` as it is now (`as_recorded`)
         for index, named, records, grads in self._selection(point, layer, kind, sown, parent):
+            if index in skip:
+                continue
             if records:
                 if kept is None:
                     kept = _backend.as_recorded(value, self.kind)
@@ -319,6 +322,7 @@ class Collector:
     def finalize(self) -> dict[str, Any]:
         """The step's extra outputs: `"index|key"` to a tensor or to partials."""
         self._check_unchanged()
+        self.check_sown_names()
         out = {}
         for name, values in self.records.items():
             index, point, kind = split_record(name)
@@ -334,6 +338,37 @@ class Collector:
         if self.rows is not None:
             out[ROWS] = self.rows
         return out
+
+    def call_at(self, point: str, depth: int, value):
+        """The layer whose call inside the current one (at `depth`) made `value`
+        itself at `point`, or None."""
+        for entry in reversed(self.tree):
+            if entry[0] < depth:  # (the entries of the current call are last)
+                return None
+            if entry[0] == depth and entry[1] == point and entry[3] is value and not entry[4]:
+                return entry[2]
+        return None
+
+    def check_sown_names(self) -> None:
+        """Raises where a `cs.sow` name is also the point of a sublayer's call or
+        of an element of its layer's output, with another value (`call_at` takes
+        the call's own output): the two would be one point, read as `@0` and `@1`
+        as if one layer ran twice."""
+        sown = {entry[1]: entry[2] for entry in self.tree if entry[4]}
+        if not sown:
+            return
+        for _, point, layer, _, was_sown in self.tree:
+            if was_sown or point not in sown:
+                continue
+            owner, name = sown[point], point.rpartition("/")[2]
+            other = ("an element of its output" if layer is owner
+                     else f"the output of its sublayer `{layer.name}`")
+            raise ValueError(
+                f"`cs.sow(self, {name!r}, ...)` in `{owner.name}` names the point "
+                f"`{point}`, which is also {other}: the two would be one point, read "
+                "as `@0` and `@1` as if one layer ran twice, though they are different "
+                f"values. Give the sown value another name. Received: name={name!r}"
+            )
 
     def _check_unchanged(self) -> None:
         """Raises where a torch op changed a recorded tensor in place after it was
@@ -414,6 +449,7 @@ def collecting_for(specs: tuple[Spec, ...], kind: str = "call",
     outer = activate(collector, _ACTIVE.patches)
     try:
         yield collector
+        collector.check_sown_names()
     finally:
         activate(*outer)
 
@@ -544,6 +580,17 @@ def sow(layer: keras.layers.Layer, name: str, value: Any) -> Any:
         return value
     point = collector.sown_point(layer, name)
     depth = len(collector.stack)
+    called = collector.call_at(point, depth, value)
+    if called is not None:
+        # The output of the sublayer whose point this is (`self.gate` sown as
+        # "gate"): one point, one value. That call applied its patch and recorded
+        # it for the captures that select it; the others (the default selects sown
+        # points) record it here.
+        if checkpoint is not None:
+            _recompute.note(checkpoint, _recompute.sown(layer, name), (patches, None))
+        taken = {found[0] for found in collector._selection(point, called, "output",
+                                                             False, None)}
+        return collector.record(point, layer, "output", value, sown=True, skip=taken)
     found = None if patches is None else patches.find(point, collector)
     if checkpoint is not None:
         _recompute.note(checkpoint, _recompute.sown(layer, name), (patches, found))
