@@ -76,6 +76,11 @@ def run(model):
     out["uneven_rows"] = rows
     out["uneven_stats"] = {k: np.asarray(v).tolist() for k, v in uneven.items()}
     out["uneven_edges"] = uneven.hist_edges("seq/dense:output/hist").tolist()
+    if ENGINE == "tensorflow":  # a first (and only) batch that leaves a replica no rows
+        # (a key of its own, so that its step is first traced with that batch)
+        with cs.capture(model, "seq/dense", reduce=("mean", "std")) as lone:
+            model.predict(X[:1], batch_size=4, verbose=0)  # 1 row, 2 replicas
+        out["lone_stats"] = {k: float(v) for k, v in lone.items()}
     with cs.capture(model, "*/dense*") as cap:
         model.fit(X, Y, epochs=1, batch_size=8, verbose=0, shuffle=False)
     out["capture_fit"] = {k: v.tolist() for k, v in cap.items()}

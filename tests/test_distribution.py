@@ -49,6 +49,12 @@ def _assert_same_as_single_device(results):
         np.testing.assert_allclose(dist["uneven_stats"][key], value, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(dist["uneven_edges"], single["uneven_edges"], rtol=1e-6)
     assert sum(dist["uneven_stats"]["seq/dense:output/hist"]) == rows
+    if "lone_stats" in single:  # TF: each replica's step packs the same layout
+        lone = dense[:1]
+        assert dist["lone_stats"]["seq/dense:output/mean"] == pytest.approx(lone.mean(), rel=1e-5)
+        assert dist["lone_stats"]["seq/dense:output/std"] == pytest.approx(lone.std(), rel=1e-4)
+        for key, value in single["lone_stats"].items():
+            assert dist["lone_stats"][key] == pytest.approx(value, rel=1e-5)
 
 
 @pytest.mark.skipif(BACKEND != "jax", reason="keras.distribution is JAX's engine")

@@ -127,7 +127,10 @@ def partials(value, stats, bins=32, hist_range=None):
             out = _one_pass_partials(x, needed, bins, hist_range, centred)
         else:
             out = _centred_partials(x, flat, needed, bins, hist_range)
-    return {k: ops.expand_dims(v, 0) for k, v in out.items()}
+    # In one order whatever the path: a `cond` gives its dict back with sorted
+    # keys, and under tf.distribute every replica's step must pack the same
+    # layout (a replica with no rows takes the empty path).
+    return {k: ops.expand_dims(out[k], 0) for k in sorted(out)}
 
 
 def _one_pass_partials(x, needed, bins, hist_range, otherwise):
