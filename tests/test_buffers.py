@@ -167,6 +167,27 @@ def test_reading_during_a_run_gives_the_rows_so_far_as_a_view(jit_compile):
     assert buffer.grows <= int(np.ceil(np.log2(10)))
 
 
+@pytest.mark.parametrize("streamed", [False, True])
+def test_a_key_over_several_calls_is_read_only_too(streamed, tmp_path):
+    """Several predicts concatenate: a copy, read-only like one call's view (and
+    one streamed call's memmap)."""
+    model = _model(False)
+    x = rng.normal(size=(12, 8)).astype("float32")
+    reference = _wide(model, x)
+    with cs.capture(model, "*/wide", to=tmp_path / "c" if streamed else None) as cap:
+        model.predict(x[:8], batch_size=4, verbose=0)
+        model.predict(x[8:], batch_size=4, verbose=0)
+    both = cap["m/wide:output"]
+    np.testing.assert_allclose(both, reference, rtol=1e-5, atol=1e-5)
+    assert not both.flags.writeable
+    with pytest.raises(ValueError, match="read-only"):
+        both[0, 0] = 1.0
+    one = cap.calls[1]["m/wide:output"]
+    np.testing.assert_allclose(one, reference[8:], rtol=1e-5, atol=1e-5)
+    assert not one.flags.writeable
+    assert isinstance(one, np.memmap) == streamed
+
+
 def test_a_buffer_grows_geometrically_and_a_read_never_copies():
     buffer = _sinks.HostBuffer("k")
     views = []

@@ -634,7 +634,13 @@ def _read(calls: list[Call], key: str) -> np.ndarray:
 
 
 def _joined(parts: list[np.ndarray]) -> np.ndarray:
-    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+    """One part as it is (a view, a memmap), several concatenated: a copy, made
+    read-only as the parts are."""
+    if len(parts) == 1:
+        return parts[0]
+    joined = np.concatenate(parts)
+    joined.flags.writeable = False
+    return joined
 
 
 def assemble(directory: str, entry: dict) -> np.ndarray:
