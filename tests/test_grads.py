@@ -219,9 +219,11 @@ def test_intermediate_grads_helper_for_your_own_steps():
 
 
 @pytest.mark.parametrize("dynamic", [False, True])
-def test_intermediate_grads_read_the_scope_values(dynamic):
-    """`loss_fn` is traced anew at each call (JAX), so a `cs.context` value reaches
-    it: d sum((scale * h)^2) / dh = 2 scale^2 h, with h = 3."""
+def test_intermediate_grads_take_context_values(dynamic):
+    """d sum((scale * h)^2) / dh = 2 scale^2 h, with h = 3, for a value passed to
+    the model's call in `loss_fn`, and for a scope value where `loss_fn` runs
+    eagerly (TF, torch). JAX traces `loss_fn`, which may call a function compiled
+    before with another value: a scope value raises there, naming the fix."""
 
     @cs.context_args("scale")
     class Scale(keras.layers.Layer):
@@ -241,18 +243,29 @@ def test_intermediate_grads_read_the_scope_values(dynamic):
     x = keras.ops.ones((4, 3))
     net = Net()
     net(x)
-    if BACKEND == "jax":
-        tv = [v.value for v in net.trainable_variables]
-        ntv = [v.value for v in net.non_trainable_variables]
-        loss_fn = lambda x: keras.ops.sum(net.stateless_call(tv, ntv, x)[0] ** 2)  # noqa: E731
-    else:
-        loss_fn = lambda x: keras.ops.sum(net(x) ** 2)  # noqa: E731
-    grad = cs.intermediate_grads(net, loss_fn, x, select="net/d").grads["net/d:grad"]
-    np.testing.assert_allclose(numpy(grad), np.full((4, 1), 6.0))
+
+    def loss_fn(x, **given):
+        if BACKEND == "jax":
+            tv = [v.value for v in net.trainable_variables]
+            ntv = [v.value for v in net.non_trainable_variables]
+            return keras.ops.sum(net.stateless_call(tv, ntv, x, **given)[0] ** 2)
+        return keras.ops.sum(net(x, **given) ** 2)
+
+    def grad(fn):
+        return numpy(cs.intermediate_grads(net, fn, x, select="net/d").grads["net/d:grad"])
+
+    np.testing.assert_allclose(grad(loss_fn), np.full((4, 1), 6.0))
     for scale in (3.0, 0.5):
+        expected = np.full((4, 1), 6.0 * scale**2)
+        np.testing.assert_allclose(grad(lambda x, s=scale: loss_fn(x, scale=s)), expected,
+                                   rtol=1e-6)
         with cs.context(scale=scale):
-            grad = cs.intermediate_grads(net, loss_fn, x, select="net/d").grads["net/d:grad"]
-        np.testing.assert_allclose(numpy(grad), np.full((4, 1), 6.0 * scale**2), rtol=1e-6)
+            if BACKEND == "jax":
+                with pytest.raises(RuntimeError,
+                                   match=r"`loss_fn` on JAX .*stateless_call\(\.\.\., scale="):
+                    grad(loss_fn)
+            else:
+                np.testing.assert_allclose(grad(loss_fn), expected, rtol=1e-6)
 
 
 @pytest.mark.skipif(BACKEND != "torch", reason="only torch runs steps eagerly, with live tensors")

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 
 import keras
 
-from callscope import _backend, _grads, _record, _scope, _steps
+from callscope import _grads, _record, _steps
 from callscope._points import Spec, key_name, normalize_select, tree_points
 
 _BACKEND = keras.backend.backend()
@@ -73,7 +73,7 @@ def intermediate_grads(
     _steps.check_not_rematerialized(model)
     spec = Spec(normalize_select(select), ("output", "grad"), None, 1, None, owner=id(model))
     _record.install_wrappers(model)
-    with _record.collecting_for((spec,)) as collector, _scope.pushed(_own_trace_frame()):
+    with _record.collecting_for((spec,)) as collector:
         collector.manual = True
         result = _grads.impl.value_and_grads(collector, loss_fn, args)
     grads = _named(collector.records, "grad")
@@ -81,17 +81,6 @@ def intermediate_grads(
         raise ValueError(_nothing_selected(model, spec, collector))
     loss, aux = (result[0], result[1]) if isinstance(result, tuple) else (result, None)
     return IntermediateGrads(loss, aux, grads, _named(collector.records, "output"))
-
-
-def _own_trace_frame() -> _scope.Frame:
-    """The caller's context values, keyed for `loss_fn`'s trace: JAX traces it
-    here at every call and keeps no trace, so a value set by `cs.context` cannot
-    be frozen into one (inside a function being compiled, the checks stay)."""
-    frame = _scope.frame()
-    if frame.sealed or _backend.is_tracing_now():
-        return frame
-    return _scope.overlay({n: v for n, v in frame.values.items() if v is not None},
-                          keyed=True)
 
 
 def _named(records, kind):

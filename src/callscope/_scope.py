@@ -136,9 +136,10 @@ STRAY_VALUE = (
     "Fix: make the model that compiles the function know the name. "
     "Call `outer = cs.enable(outer)` and `outer.register_context_args({name!r})`, "
     "or decorate its class with `@cs.context_args({name!r})`. In a function you "
-    "compile yourself (`jax.jit`, `tf.function`), pass the value to the model's "
-    "call instead (`model(x, {name}=...)`), where the trace sees it. "
-    "Received: {name}={value!r}"
+    "compile yourself (`jax.jit`, `tf.function`), or `cs.intermediate_grads`'s "
+    "`loss_fn` on JAX (traced there), pass the value to the model's call instead "
+    "(`model(x, {name}=...)`, `model.stateless_call(..., {name}=...)`), where the "
+    "trace sees it. Received: {name}={value!r}"
 )
 
 
