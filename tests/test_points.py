@@ -356,7 +356,8 @@ def test_a_sown_name_that_is_already_a_point_is_refused(sown, clash):
     inputs = keras.Input((4,))
     model = cs.Model(inputs, _SowsASublayersName(sown, name="b0")(inputs)["h"], name="net")
     message = (rf"`cs.sow\(self, '{sown}', ...\)` in `b0` names the point `net/b0/{sown}`, "
-               rf"which is also {clash}: .*Received: name='{sown}'")
+               rf"which is also {clash}, with a value that is not that output itself: "
+               rf".*Received: name='{sown}'")
     for run in (lambda: cs.points(model, X),
                 lambda: _captured(model, f"net/b0/{sown}"),
                 lambda: _captured(model, None),
@@ -397,6 +398,57 @@ def test_a_sublayers_own_output_sown_under_its_point_is_that_one_point():
         np.testing.assert_allclose(cap["net/b0/gate:output"], gate, rtol=1e-6)
     with cs.patch(model, {"net/b0/gate": lambda g: g * 2.0}):  # once, not twice
         np.testing.assert_allclose(model.predict(X, verbose=0), X * 2.0 * gate, rtol=1e-5)
+
+
+class _OneValueTwoWays(layers.Layer):
+    """A sublayer's output sown under its point twice, one sown inside a loop
+    body, and a value sown and returned under its element's point."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.gate = layers.Dense(4, activation="sigmoid")
+        self.looped = layers.Dense(4)
+        self.mha = layers.MultiHeadAttention(1, 2)
+
+    def call(self, x):
+        g = self.gate(x)
+        cs.sow(self, "gate", g)
+        cs.sow(self, "gate", g)  # the same value again: still the one point
+
+        def body(i, h):
+            return cs.sow(self, "looped", self.looped(h))
+
+        looped = ops.fori_loop(0, 2, body, x)
+        seq = ops.reshape(x, (-1, 2, 2))
+        attended, _ = self.mha(seq, seq, return_attention_scores=True)
+        cs.sow(self, "mha", attended)  # the sublayer gives two tensors, each its point
+        h = cs.sow(self, "h", g * 2.0)
+        return {"h": h, "rest": looped + ops.reshape(attended, (-1, 4))}
+
+
+def test_one_value_named_two_ways_is_one_point():
+    inputs = keras.Input((4,))
+    layer = _OneValueTwoWays(name="b0")
+    model = cs.Model(inputs, layer(inputs)["h"], name="net")
+    gate = numpy(layer.gate(X))
+    points = cs.points(model, X)
+    assert {"net/b0/gate", "net/b0/h", "net/b0/mha/0", "net/b0/mha/1"} <= set(points), points
+    assert not any(p.startswith(("net/b0/gate@", "net/b0/h@")) for p in points), points
+    assert "net/b0/looped" not in points  # in a loop body: not a point
+    for select in (None, "*"):
+        with cs.capture(model, select) as cap:
+            model.predict(X, verbose=0)
+        keys = sorted(k for k in cap.keys() if k.startswith(("net/b0/gate", "net/b0/h")))
+        assert keys == ["net/b0/gate:output", "net/b0/h:output"], (select, keys)
+        np.testing.assert_allclose(cap["net/b0/gate:output"], gate, rtol=1e-6)
+        np.testing.assert_allclose(cap["net/b0/h:output"], gate * 2.0, rtol=1e-6)
+    with cs.capture(model, ["net/b0/mha", "net/b0/mha/0"]) as cap:
+        model.predict(X, verbose=0)
+    assert sorted(cap.keys()) == ["net/b0/mha/0:output", "net/b0/mha/1:output",
+                                  "net/b0/mha:output"]
+    np.testing.assert_allclose(cap["net/b0/mha:output"], cap["net/b0/mha/0:output"])
+    with cs.patch(model, {"net/b0/h": lambda h: h + 1.0}):  # once, at the sow
+        np.testing.assert_allclose(model.predict(X, verbose=0), gate * 2.0 + 1.0, rtol=1e-5)
 
 
 def _captured(model, select):

@@ -76,9 +76,10 @@ def step_closure(model, kind, values, specs, patches, reads, hits, used):
         # `try`/`finally`, not `with`: see `_scope.push`.
         frame = _scope.sealed(values)
         token = _scope.push(frame)
-        # JAX: the dynamic values are in the step's state (its first argument).
-        state = _scope.enter_step_state(model, args[0]) if _JAX and model._cs.dynamic else None
+        state = None
         try:
+            if _JAX and model._cs.dynamic:  # the values are in the step's state (args[0])
+                state = _scope.enter_step_state(model, args[0])
             if not specs and not patches:
                 return step(model, *args, **kwargs)
             return _recording_step(*args, **kwargs)

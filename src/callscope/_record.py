@@ -157,6 +157,12 @@ class Collector:
         self.resolved = resolved if resolved is not None else Resolved()
         self.stack: list[_Frame] = []
         self.tree: list[tuple] = []  # (depth, point, layer, value, sown) for summary
+        # One point, one value, where a sow names a call's output (`sow`): a layer
+        # call's tensor output by point, a sown value by point, and the pairs
+        # already taken as one.
+        self.outputs: dict[str, tuple] = {}
+        self.sown: dict[str, Any] = {}
+        self.same: set[tuple] = set()
         self.wants_inputs = any("input" in spec.kinds for spec in specs)
         self.wants_grads = any("grad" in spec.kinds for spec in specs)
         self.perturbations: dict | None = None
@@ -339,35 +345,43 @@ class Collector:
             out[ROWS] = self.rows
         return out
 
-    def call_at(self, point: str, depth: int, value):
-        """The layer whose call inside the current one (at `depth`) made `value`
-        itself at `point`, or None."""
-        for entry in reversed(self.tree):
-            if entry[0] < depth:  # (the entries of the current call are last)
-                return None
-            if entry[0] == depth and entry[1] == point and entry[3] is value and not entry[4]:
-                return entry[2]
-        return None
+    def output_of(self, point: str, value):
+        """The layer whose call at `point` returned `value` itself, or None."""
+        found = self.outputs.get(point)
+        return found[0] if found is not None and found[1] is value else None
+
+    def first_as_one(self, point: str, value) -> bool:
+        """Notes `value` at `point` as one with a call's output; False if it was."""
+        pair = (point, id(value))
+        if pair in self.same:
+            return False
+        self.same.add(pair)
+        return True
 
     def check_sown_names(self) -> None:
-        """Raises where a `cs.sow` name is also the point of a sublayer's call or
-        of an element of its layer's output, with another value (`call_at` takes
-        the call's own output): the two would be one point, read as `@0` and `@1`
-        as if one layer ran twice."""
-        sown = {entry[1]: entry[2] for entry in self.tree if entry[4]}
+        """Raises where a `cs.sow` name is also the point of a sublayer's output or
+        of an element of its layer's output, with a value that is not that output
+        itself (that one is one point: `sow`): the two would be one point, read as
+        `@0` and `@1` as if one layer ran twice. (Not in a loop: no such point is
+        recorded; not a call whose output is several tensors: they are recorded
+        under their own points.)"""
+        sown = {entry[1]: entry[2] for entry in self.tree if entry[4] and entry[3] is not LOOP}
         if not sown:
             return
-        for _, point, layer, _, was_sown in self.tree:
-            if was_sown or point not in sown:
+        for _, point, layer, value, was_sown in self.tree:
+            if was_sown or point not in sown or value is LOOP:
+                continue
+            if sum(map(_is_tensor, keras.tree.flatten(value))) != 1:
                 continue
             owner, name = sown[point], point.rpartition("/")[2]
             other = ("an element of its output" if layer is owner
                      else f"the output of its sublayer `{layer.name}`")
             raise ValueError(
                 f"`cs.sow(self, {name!r}, ...)` in `{owner.name}` names the point "
-                f"`{point}`, which is also {other}: the two would be one point, read "
-                "as `@0` and `@1` as if one layer ran twice, though they are different "
-                f"values. Give the sown value another name. Received: name={name!r}"
+                f"`{point}`, which is also {other}, with a value that is not that "
+                "output itself: the two would be one point, read as `@0` and `@1` as "
+                "if one layer ran twice. Give the sown value another name (a sublayer's "
+                f"output itself may be sown under its point). Received: name={name!r}"
             )
 
     def _check_unchanged(self) -> None:
@@ -580,14 +594,16 @@ def sow(layer: keras.layers.Layer, name: str, value: Any) -> Any:
         return value
     point = collector.sown_point(layer, name)
     depth = len(collector.stack)
-    called = collector.call_at(point, depth, value)
+    called = collector.output_of(point, value)
     if called is not None:
         # The output of the sublayer whose point this is (`self.gate` sown as
         # "gate"): one point, one value. That call applied its patch and recorded
         # it for the captures that select it; the others (the default selects sown
-        # points) record it here.
+        # points) record it here, once.
         if checkpoint is not None:
             _recompute.note(checkpoint, _recompute.sown(layer, name), (patches, None))
+        if not collector.first_as_one(point, value):
+            return value
         taken = {found[0] for found in collector._selection(point, called, "output",
                                                              False, None)}
         return collector.record(point, layer, "output", value, sown=True, skip=taken)
@@ -609,7 +625,9 @@ def sow(layer: keras.layers.Layer, name: str, value: Any) -> Any:
     collector.tree.append((depth, point, layer, recorded, True))
     # The caller goes on with its own value (a capture must not change the model),
     # unless a patch replaced it or a gradient is taken with respect to it.
-    return recorded if patched or recorded is not value else given
+    returned = recorded if patched or recorded is not value else given
+    collector.sown[point] = returned
+    return returned
 
 
 def _one_tensor(point: str, value: Any) -> Any:
@@ -845,6 +863,7 @@ def _record_outputs(collector, patches, point, layer, outputs, depth):
     if _is_tensor(outputs):
         outputs = collector.record(point, layer, "output", outputs, sown=False)
         collector.tree.append((depth, point, layer, outputs, False))
+        collector.outputs[point] = (layer, outputs)
         return outputs
     flat = keras.tree.flatten_with_path(outputs)
     leaves = [i for i, (_, v) in enumerate(flat) if _is_tensor(v)]
@@ -855,6 +874,16 @@ def _record_outputs(collector, patches, point, layer, outputs, depth):
         for i in leaves:
             child = "/".join([point, *map(str, flat[i][0])])
             value = values[i]
+            if child in collector.sown and collector.sown[child] is value:
+                # Sown inside the call under this element's point (`cs.sow(self,
+                # "h", h)` then `return {"h": h}`): one point, one value. The sow
+                # applied its patch and recorded it for the captures of sown points.
+                if collector.first_as_one(child, value):
+                    taken = {found[0] for found in collector._selection(
+                        child, layer, "output", True, None)}
+                    values[i] = collector.record(child, layer, "output", value, False,
+                                                 parent=point, skip=taken)
+                continue
             if patches is not None:
                 value = patches.apply(child, value, layer, point)
             values[i] = collector.record(child, layer, "output", value, False, parent=point)
