@@ -347,7 +347,7 @@ class _SowsASublayersName(layers.Layer):
         return {"h": h, "relu": ops.relu(h)}
 
 
-@pytest.mark.parametrize("sown, clash", [("dense", "the output of its sublayer `dense`"),
+@pytest.mark.parametrize("sown, clash", [("dense", r"the output of the sublayer there \(`dense`\)"),
                                          ("relu", "an element of its output")])
 def test_a_sown_name_that_is_already_a_point_is_refused(sown, clash):
     """A sow named like a sublayer (or an output element) would share its point,
@@ -408,7 +408,7 @@ class _OneValueTwoWays(layers.Layer):
         super().__init__(**kwargs)
         self.gate = layers.Dense(4, activation="sigmoid")
         self.looped = layers.Dense(4)
-        self.mha = layers.MultiHeadAttention(1, 2)
+        self.listed = _Listed(name="listed")
 
     def call(self, x):
         g = self.gate(x)
@@ -419,11 +419,27 @@ class _OneValueTwoWays(layers.Layer):
             return cs.sow(self, "looped", self.looped(h))
 
         looped = ops.fori_loop(0, 2, body, x)
+        (listed,) = self.listed(x)
+        cs.sow(self, "listed", listed)  # the one tensor of the sublayer's output
+        h = cs.sow(self, "h", g * 2.0)
+        return {"h": h, "rest": looped + listed}
+
+
+class _Listed(layers.Layer):
+    def call(self, x):
+        return [x * 3.0]
+
+
+class _SowsAnAttentionsName(layers.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.mha = layers.MultiHeadAttention(1, 2)
+
+    def call(self, x):
         seq = ops.reshape(x, (-1, 2, 2))
         attended, _ = self.mha(seq, seq, return_attention_scores=True)
-        cs.sow(self, "mha", attended)  # the sublayer gives two tensors, each its point
-        h = cs.sow(self, "h", g * 2.0)
-        return {"h": h, "rest": looped + ops.reshape(attended, (-1, 4))}
+        cs.sow(self, "mha", attended)  # one of its two tensors, under the call's point
+        return ops.reshape(attended, (-1, 4))
 
 
 def test_one_value_named_two_ways_is_one_point():
@@ -432,8 +448,8 @@ def test_one_value_named_two_ways_is_one_point():
     model = cs.Model(inputs, layer(inputs)["h"], name="net")
     gate = numpy(layer.gate(X))
     points = cs.points(model, X)
-    assert {"net/b0/gate", "net/b0/h", "net/b0/mha/0", "net/b0/mha/1"} <= set(points), points
-    assert not any(p.startswith(("net/b0/gate@", "net/b0/h@")) for p in points), points
+    assert {"net/b0/gate", "net/b0/h", "net/b0/listed"} <= set(points), points
+    assert not any("@" in p for p in points), points
     assert "net/b0/looped" not in points  # in a loop body: not a point
     for select in (None, "*"):
         with cs.capture(model, select) as cap:
@@ -442,13 +458,30 @@ def test_one_value_named_two_ways_is_one_point():
         assert keys == ["net/b0/gate:output", "net/b0/h:output"], (select, keys)
         np.testing.assert_allclose(cap["net/b0/gate:output"], gate, rtol=1e-6)
         np.testing.assert_allclose(cap["net/b0/h:output"], gate * 2.0, rtol=1e-6)
-    with cs.capture(model, ["net/b0/mha", "net/b0/mha/0"]) as cap:
+    with cs.capture(model, "net/b0/listed") as cap:
         model.predict(X, verbose=0)
-    assert sorted(cap.keys()) == ["net/b0/mha/0:output", "net/b0/mha/1:output",
-                                  "net/b0/mha:output"]
-    np.testing.assert_allclose(cap["net/b0/mha:output"], cap["net/b0/mha/0:output"])
+    assert list(cap.keys()) == ["net/b0/listed:output"]
+    np.testing.assert_allclose(cap["net/b0/listed:output"], X * 3.0, rtol=1e-6)
     with cs.patch(model, {"net/b0/h": lambda h: h + 1.0}):  # once, at the sow
         np.testing.assert_allclose(model.predict(X, verbose=0), gate * 2.0 + 1.0, rtol=1e-5)
+    # Its gradient is taken where it is sown; a selection of the layer's output
+    # elements only would take it at the output: refused, not half the answer.
+    model.compile(loss="mse")
+    with pytest.raises(ValueError, match=r"`net/b0/h` is sown inside `net/b0`'s call .*"
+                                         r"Received: a gradient capture that selects"):
+        with cs.capture(model, "net/b0", kinds=("output", "grad")):
+            model.evaluate(X, X, verbose=0)
+    with cs.capture(model, ["net/b0", "net/b0/h"], kinds=("grad",)) as cap:
+        model.evaluate(X, X, verbose=0)
+    assert "net/b0/h:grad" in cap.keys()
+
+
+def test_a_sow_named_as_a_sublayer_with_several_tensors_is_refused():
+    inputs = keras.Input((4,))
+    model = cs.Model(inputs, _SowsAnAttentionsName(name="b0")(inputs), name="net")
+    with pytest.raises(ValueError, match=r"names the point `net/b0/mha`, which is also "
+                                         r"the output of the sublayer there"):
+        cs.points(model, X)
 
 
 def _captured(model, select):

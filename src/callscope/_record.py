@@ -361,21 +361,19 @@ class Collector:
     def check_sown_names(self) -> None:
         """Raises where a `cs.sow` name is also the point of a sublayer's output or
         of an element of its layer's output, with a value that is not that output
-        itself (that one is one point: `sow`): the two would be one point, read as
-        `@0` and `@1` as if one layer ran twice. (Not in a loop: no such point is
-        recorded; not a call whose output is several tensors: they are recorded
-        under their own points.)"""
+        itself (that one is one point: `sow`), a sublayer's several tensors
+        included: the two would be one point, read as `@0` and `@1` as if one
+        layer ran twice, and patched twice. (Not in a loop: no such point is
+        recorded.)"""
         sown = {entry[1]: entry[2] for entry in self.tree if entry[4] and entry[3] is not LOOP}
         if not sown:
             return
         for _, point, layer, value, was_sown in self.tree:
             if was_sown or point not in sown or value is LOOP:
                 continue
-            if sum(map(_is_tensor, keras.tree.flatten(value))) != 1:
-                continue
             owner, name = sown[point], point.rpartition("/")[2]
             other = ("an element of its output" if layer is owner
-                     else f"the output of its sublayer `{layer.name}`")
+                     else f"the output of the sublayer there (`{layer.name}`)")
             raise ValueError(
                 f"`cs.sow(self, {name!r}, ...)` in `{owner.name}` names the point "
                 f"`{point}`, which is also {other}, with a value that is not that "
@@ -870,6 +868,7 @@ def _record_outputs(collector, patches, point, layer, outputs, depth):
     values = [v for _, v in flat]
     if len(leaves) == 1:
         values[leaves[0]] = collector.record(point, layer, "output", values[leaves[0]], False)
+        collector.outputs[point] = (layer, values[leaves[0]])  # the point's one tensor
     else:
         for i in leaves:
             child = "/".join([point, *map(str, flat[i][0])])
@@ -881,6 +880,9 @@ def _record_outputs(collector, patches, point, layer, outputs, depth):
                 if collector.first_as_one(child, value):
                     taken = {found[0] for found in collector._selection(
                         child, layer, "output", True, None)}
+                    for found in collector._selection(child, layer, "output", False, point):
+                        if found[3] and found[0] not in taken:
+                            raise ValueError(_sown_element_grad(child, point))
                     values[i] = collector.record(child, layer, "output", value, False,
                                                  parent=point, skip=taken)
                 continue
@@ -893,6 +895,17 @@ def _record_outputs(collector, patches, point, layer, outputs, depth):
     outputs = keras.tree.pack_sequence_as(outputs, values)
     collector.tree.append((depth, point, layer, outputs, False))
     return outputs
+
+
+def _sown_element_grad(child: str, point: str) -> str:
+    return (
+        f"`{child}` is sown inside `{point}`'s call and returned as an element of its "
+        "output: one point, whose gradient is taken where it is sown (every use "
+        "counts, those inside the call too). A selection of the layer's output "
+        "elements would take it at the output. Select the sown point itself, or "
+        "sow the value under another name. Received: a gradient capture that "
+        f"selects `{point}`'s elements and not `{child}`"
+    )
 
 
 # --------------------------------------------------------------------------
