@@ -379,7 +379,9 @@ class Collector:
                 f"`{point}`, which is also {other}, with a value that is not that "
                 "output itself: the two would be one point, read as `@0` and `@1` as "
                 "if one layer ran twice. Give the sown value another name (a sublayer's "
-                f"output itself may be sown under its point). Received: name={name!r}"
+                "output itself may be sown under its point"
+                f"{'' if _notes_one_points() else ', but not under torch.compile'}). "
+                f"Received: name={name!r}"
             )
 
     def _check_unchanged(self) -> None:
@@ -592,7 +594,7 @@ def sow(layer: keras.layers.Layer, name: str, value: Any) -> Any:
         return value
     point = collector.sown_point(layer, name)
     depth = len(collector.stack)
-    called = collector.output_of(point, value)
+    called = collector.output_of(point, value) if _notes_one_points() else None
     if called is not None:
         # The output of the sublayer whose point this is (`self.gate` sown as
         # "gate"): one point, one value. That call applied its patch and recorded
@@ -624,8 +626,16 @@ def sow(layer: keras.layers.Layer, name: str, value: Any) -> Any:
     # The caller goes on with its own value (a capture must not change the model),
     # unless a patch replaced it or a gradient is taken with respect to it.
     returned = recorded if patched or recorded is not value else given
-    collector.sown[point] = returned
+    if _notes_one_points():
+        collector.sown[point] = returned
     return returned
+
+
+def _notes_one_points() -> bool:
+    """Whether a sown value may be told as a call's own output (`Collector.outputs`,
+    `Collector.sown`): not under torch.compile, where a dict written while layers
+    run is guarded on, and the step recompiles at every layer."""
+    return not (_TORCH and _backend.is_tracing_now())
 
 
 def _one_tensor(point: str, value: Any) -> Any:
@@ -861,19 +871,21 @@ def _record_outputs(collector, patches, point, layer, outputs, depth):
     if _is_tensor(outputs):
         outputs = collector.record(point, layer, "output", outputs, sown=False)
         collector.tree.append((depth, point, layer, outputs, False))
-        collector.outputs[point] = (layer, outputs)
+        if _notes_one_points():
+            collector.outputs[point] = (layer, outputs)
         return outputs
     flat = keras.tree.flatten_with_path(outputs)
     leaves = [i for i, (_, v) in enumerate(flat) if _is_tensor(v)]
     values = [v for _, v in flat]
     if len(leaves) == 1:
         values[leaves[0]] = collector.record(point, layer, "output", values[leaves[0]], False)
-        collector.outputs[point] = (layer, values[leaves[0]])  # the point's one tensor
+        if _notes_one_points():
+            collector.outputs[point] = (layer, values[leaves[0]])  # the point's one tensor
     else:
         for i in leaves:
             child = "/".join([point, *map(str, flat[i][0])])
             value = values[i]
-            if child in collector.sown and collector.sown[child] is value:
+            if collector.sown and collector.sown.get(child) is value:
                 # Sown inside the call under this element's point (`cs.sow(self,
                 # "h", h)` then `return {"h": h}`): one point, one value. The sow
                 # applied its patch and recorded it for the captures of sown points.
