@@ -163,6 +163,7 @@ class Collector:
         self.outputs: dict[str, tuple] = {}
         self.sown: dict[str, Any] = {}
         self.same: set[tuple] = set()
+        self.names_checked = -1  # the tree's length when `check_sown_names` last ran
         self.wants_inputs = any("input" in spec.kinds for spec in specs)
         self.wants_grads = any("grad" in spec.kinds for spec in specs)
         self.perturbations: dict | None = None
@@ -282,6 +283,12 @@ class Collector:
         """Whether a spec records `point` (or takes it as a gradient source)."""
         return bool(self._selection(point, layer, kind, sown, None))
 
+    def selecting(self, point: str, layer, sown: bool) -> set[int]:
+        """The numbers of the specs that select `layer`'s output at `point` (as a
+        sown value or as a call's output): those that took a point named both ways
+        there (`record(..., skip=)`)."""
+        return {found[0] for found in self._selection(point, layer, "output", sown, None)}
+
     def _selection(self, full: str, layer, kind: str, sown: bool, parent) -> tuple:
         """((spec index, point as it names it, records it, grad source), ...) of the
         specs that select `full`; resolved once per key (`Resolved`)."""
@@ -365,6 +372,9 @@ class Collector:
         included: the two would be one point, read as `@0` and `@1` as if one
         layer ran twice, and patched twice. (Not in a loop: no such point is
         recorded.)"""
+        if self.names_checked == len(self.tree):  # (finalize, then collecting_for)
+            return
+        self.names_checked = len(self.tree)
         sown = {entry[1]: entry[2] for entry in self.tree if entry[4] and entry[3] is not LOOP}
         if not sown:
             return
@@ -604,8 +614,7 @@ def sow(layer: keras.layers.Layer, name: str, value: Any) -> Any:
             _recompute.note(checkpoint, _recompute.sown(layer, name), (patches, None))
         if not collector.first_as_one(point, value):
             return value
-        taken = {found[0] for found in collector._selection(point, called, "output",
-                                                             False, None)}
+        taken = collector.selecting(point, called, sown=False)
         return collector.record(point, layer, "output", value, sown=True, skip=taken)
     found = None if patches is None else patches.find(point, collector)
     if checkpoint is not None:
@@ -890,8 +899,7 @@ def _record_outputs(collector, patches, point, layer, outputs, depth):
                 # "h", h)` then `return {"h": h}`): one point, one value. The sow
                 # applied its patch and recorded it for the captures of sown points.
                 if collector.first_as_one(child, value):
-                    taken = {found[0] for found in collector._selection(
-                        child, layer, "output", True, None)}
+                    taken = collector.selecting(child, layer, sown=True)
                     for found in collector._selection(child, layer, "output", False, point):
                         if found[3] and found[0] not in taken:
                             raise ValueError(_sown_element_grad(child, point))

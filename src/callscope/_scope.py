@@ -282,7 +282,7 @@ def current(name: str, default: Any = None) -> Any:
 
 
 # JAX: id(variable) -> its value in the state of the step being traced, for the
-# dynamic values' variables (`step_state`).
+# dynamic values' variables (`enter_step_state`).
 _STEP_STATE: contextvars.ContextVar = contextvars.ContextVar("callscope_step_state",
                                                              default=None)
 
