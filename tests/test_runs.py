@@ -282,6 +282,52 @@ def test_a_callbacks_predict_is_a_nested_call_of_its_own():
     np.testing.assert_allclose(here["s/d:output"], _dense(model, X[:5]), rtol=1e-5, atol=1e-6)
 
 
+def test_a_callbacks_predict_under_a_gradient_capture_records_no_gradients():
+    # A gradient capture around fit, and a callback that predicts (or calls the
+    # model): the nested calls have no loss, so they record the capture's other
+    # kinds, as validation does, rather than end the fit after its first epoch.
+    model = _seq()
+    seen = []
+
+    class Predicts(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            self.model.predict(X[:3], verbose=0)
+            self.model(X[3:5])
+            # A capture of its own around the predict still has no loss there.
+            with pytest.raises(ValueError, match=r"needs a loss.*Received: kinds=\('grad',\) "
+                                                 r"in predict"):
+                with cs.capture(self.model, "s/d"), \
+                        cs.capture(self.model, "s/d", kinds=("grad",)):
+                    self.model.predict(X[:3], verbose=0)
+            seen.append(epoch)
+
+    with cs.capture(model, "s/d", kinds=("output", "grad")) as cap, \
+            cs.capture(model, "s/d", kinds=("grad",)) as grads:
+        model.fit(X, Y, batch_size=8, epochs=2, verbose=0, callbacks=[Predicts()],
+                  shuffle=False)
+    assert seen == [0, 1]
+    out = _dense(model, X)  # SGD(0.0): the weights never change
+    np.testing.assert_allclose(cap["s/d:output"], np.concatenate([out] * 2), rtol=1e-5,
+                               atol=1e-6)
+    dmse = 2 * (out - Y) / Y.size  # d mean((out - y)**2) / d out
+    for capture in (cap, grads):
+        np.testing.assert_allclose(capture["s/d:grad"], np.concatenate([dmse] * 2),
+                                   rtol=1e-4, atol=1e-7)
+    assert [(c.method, c.nested) for c in cap.calls] == [
+        ("fit", False), ("predict", True), ("__call__", True),
+        ("predict", True), ("__call__", True)]
+    np.testing.assert_allclose(cap.calls[1]["s/d:output"], _dense(model, X[:3]), rtol=1e-5,
+                               atol=1e-6)
+    np.testing.assert_allclose(cap.calls[2]["s/d:output"], _dense(model, X[3:5]), rtol=1e-5,
+                               atol=1e-6)
+    assert all(set(c) == {"s/d:output"} for c in cap.calls[1:])
+    assert all(not len(c) for c in grads.calls[1:])
+    # At the top level, a predict under a gradient capture is still refused.
+    with pytest.raises(ValueError, match="needs a loss.*`predict` has none"):
+        with cs.capture(model, "s/d", kinds=("grad",)):
+            model.predict(X, verbose=0)
+
+
 def test_calls_of_different_kinds_are_never_merged():
     model = _seq()
     with cs.capture(model, "s/d", reduce="mean") as cap:

@@ -94,13 +94,17 @@ class Capture(Mapping):
         that outer run too: a capture opened inside a callback reads the calls it
         saw as its own."""
         with self._lock:
-            nested = outer is not None and any(  # by identity: a Call is a Mapping
-                any(call is mine for mine in self.calls) for call in outer.calls)
+            nested = self._records(outer)
             directory = (None if self._dir is None
                          else os.path.join(self._dir, f"call_{len(self.calls):03d}"))
             call = _sinks.Call(self.spec, method, nested, directory)
             self.calls.append(call)
         return call
+
+    def _records(self, outer) -> bool:
+        """Whether this capture records the run `outer` (None: no run)."""
+        return outer is not None and any(  # by identity: a Call is a Mapping
+            any(call is mine for mine in self.calls) for call in outer.calls)
 
     def _top(self) -> list[_sinks.Call]:
         top = [c for c in self.calls if not c.nested and len(c)]

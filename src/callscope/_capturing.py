@@ -29,14 +29,13 @@ PATCH = "<patch>"  # key entry holding the active patches, (point, fn) pairs
 class CaptureMixin:
     """Capture and patch plumbing of `ContextMixin` (see the module docstring)."""
 
-    def _cs_prepare_capture(self, captures, first_batch) -> tuple:
+    def _cs_prepare_capture(self, captures, first_batch) -> None:
         """Builds the model, installs the wrappers and checks each capture's spec."""
         if not self.built and first_batch is not None:
             with _record.collecting_for(()):  # a plain call: builds, records nothing
                 self(first_batch, training=False)
         _record.install_wrappers(self)
         self._cs_check_loops(captures, ())
-        return tuple(c.spec for c in captures)
 
     def _cs_find_ranges(self, specs, call_kind: str, data, state=None, call=None,
                         patches=()) -> None:
@@ -129,16 +128,18 @@ class CaptureMixin:
         `invoke` makes the call another way (`stateless_call`, with the weights
         `state`: its trainable and non-trainable values)."""
         _steps.check_not_rematerialized(self)
+        outer = _scope.run_of(self)
+        specs = _steps.call_specs(captures, "__call__", outer)
         if captures:
-            _steps.check_capture_supported(self, "__call__", tuple(c.spec for c in captures))
+            _steps.check_capture_supported(self, "__call__", specs)
         first = args[0] if args else kwargs.get("inputs")
-        specs = self._cs_prepare_capture(captures, first) if captures else ()
+        if captures:
+            self._cs_prepare_capture(captures, first)
         invoke = invoke if invoke is not None else lambda: self(*args, **kwargs)
         self._cs_find_ranges(specs, "call", (first,), state, call=invoke, patches=patches)
         if patches:
             _record.install_wrappers(self)
             self._cs_check_loops(captures, patches)
-        outer = _scope.run_of(self)
         nested = outer is not None
         calls = tuple(c._begin("__call__", outer) for c in captures)
         run = Run(self, "__call__", self._cs_table().default, (), calls, patches, nested,

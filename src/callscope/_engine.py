@@ -24,7 +24,6 @@ the call is written to the model:
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import inspect
 import threading
 from collections.abc import Mapping
@@ -212,17 +211,14 @@ class Engine(CaptureMixin):
         frame = _scope.overlay({**dict.fromkeys(state.names), **values}, keyed=True)
         values.update(variables)
         key = _keys.static_key(values, set(state.static))
+        outer = _scope.run_of(self)
+        specs = _steps.call_specs(captures, method, outer,
+                                  _keras_compat.is_fit_validation(method, kwargs))
         if captures:
-            _steps.check_capture_supported(self, method, tuple(c.spec for c in captures))
+            _steps.check_capture_supported(self, method, specs)
         if captures or patches:
             _steps.check_not_rematerialized(self)
-            specs = self._cs_prepare_capture(captures, first_x(args, kwargs))
-            if _keras_compat.is_fit_validation(method, kwargs):
-                # fit's validation records what the capture asks but gradients:
-                # they would cost a backward pass per validation step.
-                specs = tuple(dataclasses.replace(s, kinds=tuple(k for k in s.kinds
-                                                                 if k != "grad"))
-                              for s in specs)
+            self._cs_prepare_capture(captures, first_x(args, kwargs))
             if specs:
                 key = (*key, (CAPTURE, specs))
             if patches:
@@ -234,7 +230,6 @@ class Engine(CaptureMixin):
         try:
             _scope.check_unkeyed(entry.reads, state.names)
             self._cs_install_steps()
-            outer = _scope.run_of(self)
             nested = outer is not None
             calls = tuple(c._begin(method, outer) for c in captures)
             if dynamic and _JAX:

@@ -34,6 +34,8 @@ state reaches Keras.
 
 from __future__ import annotations
 
+import dataclasses
+
 import keras
 import numpy as np
 
@@ -144,15 +146,36 @@ def check_not_rematerialized(model) -> None:
         )
 
 
+_WITH_LOSS = ("fit", "evaluate", "train_on_batch", "test_on_batch")
+
+
+def call_specs(captures, method: str, outer, validation: bool = False) -> tuple:
+    """What each capture records in this call: its spec, without gradients in fit's
+    validation (`validation`: they would cost a backward pass per step) and in a
+    call without a loss made inside a run that the capture records (a callback's
+    `predict` or `model(x)` during a captured `fit`): there, the other kinds."""
+    specs = []
+    for capture in captures:
+        spec = capture.spec
+        if "grad" in spec.kinds and (validation or (
+                method not in _WITH_LOSS and capture._records(outer))):
+            spec = dataclasses.replace(spec, kinds=tuple(k for k in spec.kinds if k != "grad"))
+        specs.append(spec)
+    return tuple(specs)
+
+
 def check_capture_supported(model, method, specs=()):
     """Raises where a capture would silently lose or average rows, or has no loss."""
-    if any("grad" in spec.kinds for spec in specs):
-        if method not in ("fit", "evaluate", "train_on_batch", "test_on_batch"):
+    grads = [spec for spec in specs if "grad" in spec.kinds]
+    if grads:
+        if method not in _WITH_LOSS:
             raise ValueError(
                 "cs.capture(kinds=('grad',)) needs a loss: gradients come from `fit`, "
                 "`evaluate`, `train_on_batch` and `test_on_batch` under the compiled "
-                f"loss. `{method}` has none. Capture `output` there instead. "
-                f"Received: kinds={specs[0].kinds!r} in {method}"
+                f"loss. `{method}` has none. Capture `output` there instead (a call "
+                "made inside a captured `fit`, as a callback's `predict`, records the "
+                "other kinds without gradients). "
+                f"Received: kinds={grads[0].kinds!r} in {method}"
             )
         if not getattr(model, "compiled", False):
             raise ValueError(
@@ -160,7 +183,7 @@ def check_capture_supported(model, method, specs=()):
                 "`model.compile(optimizer=..., loss=...)` first. Received: an "
                 "uncompiled model"
             )
-    if method not in ("fit", "evaluate", "train_on_batch", "test_on_batch"):
+    if method not in _WITH_LOSS:
         return
     steps = getattr(model, "steps_per_execution", 1) or 1
     if method in ("fit", "evaluate") and steps > 1:
