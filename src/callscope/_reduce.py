@@ -277,7 +277,8 @@ def _centred(deviations, mean, n):
     n = ops.maximum(n, 1.0)
     drift = ops.sum(deviations)
     m2 = ops.sum(ops.square(deviations)) - ops.square(drift) / n
-    return mean + drift / n, ops.maximum(m2, 0.0)
+    # A mean whose sum overflowed is inf, and its deviations -inf: corrected, NaN.
+    return ops.where(ops.isfinite(mean), mean + drift / n, mean), ops.maximum(m2, 0.0)
 
 
 def _scale(largest):
@@ -469,7 +470,8 @@ def merge(rows: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
             if "m2" in rows:
                 m2 = np.where(has, rows["m2"].astype(np.float64), 0.0).sum()
                 if total > 0:
-                    m2 += np.where(has, n * (means - mean) ** 2, 0.0).sum()
+                    with np.errstate(invalid="ignore"):  # an overflowed mean: inf - inf
+                        m2 += np.where(has, n * (means - mean) ** 2, 0.0).sum()
                 merged["m2"] = m2
         if "qm" in rows:  # the mean of squares, weighted by n; its root
             qm = np.where(has, rows["qm"].astype(np.float64), 0.0)
@@ -605,7 +607,7 @@ def _torch_partials(value, stats, bins, hist_range):
                 centred = (xf - mean).masked_fill_(bad, 0.0)
                 drift = centred.sum()
                 shift = drift / at_least_1
-                scalars[-1] = mean + shift
+                scalars[-1] = torch.where(mean.isfinite(), mean + shift, mean)  # (`_centred`)
                 m2 = (torch.dot(centred, centred) - drift * shift).clamp_(min=0.0)
                 names.append("m2"), scalars.append(m2)
         if "qm" in needed:  # scaled, as in `_masked_partials`
