@@ -340,6 +340,36 @@ def test_streaming_to_disk_reads_back_memory_mapped(tmp_path, jit_compile):
             pass
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["memory", "streamed"])
+def test_calls_whose_rows_differ_in_shape_are_read_one_by_one(tmp_path, stream):
+    # Two predicts of sequences of 5 and 7 steps: `cap[key]` cannot join them,
+    # and says so by key (numpy's own error named neither), where each call reads.
+    model = cs.Sequential([keras.Input((None, 2)), keras.layers.Dense(3, name="d")],
+                          name="seq")
+    w, b = (numpy(v) for v in model.get_layer("d").weights)
+    short, long = (np.ones((2, n, 2), "float32") for n in (5, 7))
+    with cs.capture(model, "seq/d", to=tmp_path / "caps" if stream else None) as cap:
+        model.predict(short, verbose=0)
+        model.predict(long, verbose=0)
+    with pytest.raises(ValueError, match=r"`seq/d:output` has rows of different shapes .*"
+                                         r"\(5, 3\), \(7, 3\).*cap.calls\[i\]\[key\]"):
+        cap["seq/d:output"]
+    for call, x in zip(cap.calls, (short, long)):
+        np.testing.assert_allclose(call["seq/d:output"], x @ w + b, rtol=1e-5, atol=1e-6)
+
+
+def test_streaming_to_a_file_is_refused_clearly(tmp_path):
+    net = _net()
+    target = tmp_path / "taken"
+    target.write_text("a file")
+    with pytest.raises(NotADirectoryError, match=r"is a file: cs.capture\(to=...\) writes a "
+                                                 r"directory.*Received: to="):
+        with cs.capture(net, to=target):
+            pass
+    assert target.read_text() == "a file"
+    net.predict(X, verbose=0)  # nothing left open or installed
+
+
 def test_two_open_captures_never_stream_into_one_directory(tmp_path, monkeypatch):
     # Each would name its first call `call_000`, and one run's writer appends to
     # a file it has open: the two keys' batches would interleave in one file.

@@ -132,6 +132,68 @@ def test_inspect_input_errors_are_one_line_with_exit_1(saved, tmp_path):
                     "no such data file")
 
 
+def test_a_failed_inspect_leaves_out_as_it_was(saved, tmp_path):
+    # --overwrite replaces --out only once the run succeeds: a bad --select
+    # deleted what it held before.
+    _, path, _ = saved
+    out = tmp_path / "keep"
+    out.mkdir()
+    (out / "notes.txt").write_text("precious")
+    args = ("inspect", path, "--data", tmp_path / "x.npy", "--out", out, "--overwrite")
+    _one_line_error(run_here(*args, "--select", "seq/nope"), 1, "seq/nope")
+    assert os.listdir(out) == ["notes.txt"] and (out / "notes.txt").read_text() == "precious"
+    assert [p for p in os.listdir(tmp_path) if p.startswith(".keep")] == []  # no staging left
+    assert run_here(*args).returncode == 0
+    assert (out / "captures" / "index.json").exists() and not (out / "notes.txt").exists()
+    assert [p for p in os.listdir(tmp_path) if p.startswith(".keep")] == []
+    loaded = cs.load_capture(out / "captures")  # moved into place, still readable
+    assert loaded["seq/hidden:output"].shape == (40, 5)
+
+
+def test_inspect_bad_paths_and_files_are_one_line_errors(saved, tmp_path):
+    _, path, x = saved
+    data = tmp_path / "x.npy"
+    _one_line_error(run_here("inspect", path, "--data", data, "--out", data), 1,
+                    "is a file")
+    _one_line_error(run_here("inspect", path, "--data", data, "--out", data, "--overwrite"),
+                    1, "is a file")
+    _one_line_error(run_here("inspect", path, "--data", data, "--out", "/proc/nope/out"), 1,
+                    "cannot create --out")
+    np.savez(tmp_path / "objects.npz", x=np.array([{"a": 1}] * 3, dtype=object))
+    _one_line_error(run_here("inspect", path, "--data", tmp_path / "objects.npz"), 1,
+                    "objects.npz", "cannot be read")
+    garbage = tmp_path / "garbage.keras"
+    garbage.write_bytes(bytes(range(256)) * 4)
+    _one_line_error(run_here("inspect", garbage, "--data", data), 1,
+                    "garbage.keras", "zip archive")
+    np.save(tmp_path / "words.npy", np.array([["a", "b", "c", "d"]] * 3))
+    proc = run_here("inspect", path, "--data", tmp_path / "words.npy")
+    _one_line_error(proc, 1, "words.npy")
+    assert "Exception encountered" not in proc.stderr, proc.stderr
+    _one_line_error(run_here("demo", "--out", data), 1, "is a file")
+    from callscope import cli
+
+    keras_error = ("Exception encountered when calling Functional.call().\n\n"
+                   "\x1b[1mthe cause\x1b[0m\n\nArguments received by Functional.call():")
+    assert cli._first_line(keras_error) == "the cause"
+
+
+def test_inspect_json_is_strict_with_null_for_no_finite_value(saved, tmp_path):
+    _, path, x = saved
+    np.save(tmp_path / "inf.npy", np.full((8, 4), np.inf, "float32"))
+    proc = run_here("inspect", path, "--data", tmp_path / "inf.npy", "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+    def refuse(constant):
+        raise ValueError(f"not strict JSON: {constant}")
+
+    stats = json.loads(proc.stdout, parse_constant=refuse)
+    # (`out` is NaN or ±inf everywhere: the relu before it gives inf and NaN, or
+    # inf and 0 on TF, whose relu maps NaN to 0.)
+    assert stats["seq/out:output/mean"] is None
+    assert stats["seq/out:output/frac_zero"] is None
+
+
 def usage(*args):
     return run(*args, env=QUIET_TF)
 

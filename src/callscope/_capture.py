@@ -166,6 +166,11 @@ class Capture(Mapping):
         first = _backend.process_index()[0] == 0
         # Only the first process looks at the directory's contents with
         # overwrite=True (another's look could race its delete).
+        if os.path.exists(self._dir) and not os.path.isdir(self._dir):
+            raise NotADirectoryError(
+                f"`{self._dir}` is a file: cs.capture(to=...) writes a directory. Give "
+                f"a new or empty directory. Received: to={self._dir!r}"
+            )
         os.makedirs(self._dir, exist_ok=True)
         if self._overwrite and first and os.listdir(self._dir):
             shutil.rmtree(self._dir)

@@ -630,6 +630,14 @@ def _read(calls: list[Call], key: str) -> np.ndarray:
             parts.append(call._full[key].view())
     if not parts:
         raise KeyError(missing(key, calls))
+    shapes = list(dict.fromkeys(part.shape[1:] for part in parts))
+    if len(shapes) > 1:
+        raise ValueError(
+            f"`{key}` has rows of different shapes in the calls of this capture "
+            f"({', '.join(map(str, shapes))}: inputs of another length, say), which "
+            "cannot be concatenated. Read each call's rows from `cap.calls[i][key]`. "
+            f"Received: {len(parts)} calls"
+        )
     return _joined(parts)
 
 

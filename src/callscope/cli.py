@@ -17,9 +17,14 @@ traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import re
+import shutil
 import sys
+import tempfile
+import zipfile
 
 import numpy as np
 
@@ -107,6 +112,10 @@ def _check_choices(parser, args):
 def _load_model(path, unsafe):
     if not os.path.exists(path):
         raise InputError(f"no such model file: {path} (check the path)")
+    if path.endswith(".keras") and not zipfile.is_zipfile(path):
+        # (Keras says "File not found" of such a file.)
+        raise InputError(f"{path} is not a loadable Keras model: a .keras file is a zip "
+                         "archive, as `model.save(path)` writes it, and this one is not")
     import keras
 
     import callscope as cs
@@ -171,7 +180,13 @@ def _load_data(path, names):
         raise InputError(f"{path} is not a .npy or .npz file: {_first_line(str(error))}") from None
     if isinstance(data, np.lib.npyio.NpzFile):
         with data:
-            arrays = _pick_arrays(data, path, names)
+            try:
+                # (An .npz reads each array when it is asked for: read them here.)
+                arrays = {name: np.asarray(array)
+                          for name, array in _pick_arrays(data, path, names).items()}
+            except (ValueError, OSError, zipfile.BadZipFile) as error:
+                raise InputError(f"{path} holds an array that cannot be read: "
+                                 f"{_first_line(str(error))}") from None
     elif len(names) > 1:
         raise InputError(
             f"{path} holds one array, but the model takes inputs {names}: save one array "
@@ -183,6 +198,10 @@ def _load_data(path, names):
         if array.ndim < 1 or len(array) == 0:
             which = f"an empty array {name!r}" if len(arrays) > 1 else "an empty array"
             raise InputError(f"{path} holds {which}; give at least one example")
+        if array.dtype.kind not in "biuf":  # bool, integers, floats
+            which = f"array {name!r}" if len(arrays) > 1 else "the data"
+            raise InputError(f"{which} in {path} holds {array.dtype} values, but a model "
+                             "takes numbers; save the data as numbers (tokens as ids)")
     rows = {name: len(array) for name, array in arrays.items()}
     if len(set(rows.values())) > 1:
         counts = ", ".join(f"{name} has {n}" for name, n in rows.items())
@@ -249,15 +268,37 @@ def _model_data(layout, arrays, rows=None):
     return next(iter(cut.values()))
 
 
-def _prepare_out(out, overwrite):
-    if os.path.exists(out) and os.listdir(out):
-        if not overwrite:
-            raise InputError(f"{out} already exists and is not empty; choose another --out "
-                             "or pass --overwrite")
-        import shutil
+def _check_out(out, overwrite):
+    """Refuses an `--out` that is a file, or a directory with files but no
+    `--overwrite`, before any work: what is there is replaced only once the run
+    succeeds (`_staged_out`)."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise InputError(f"--out {out} is a file; give a directory (new, or empty)")
+    if os.path.isdir(out) and os.listdir(out) and not overwrite:
+        raise InputError(f"{out} already exists and is not empty; choose another --out "
+                         "or pass --overwrite")
 
-        shutil.rmtree(out)
-    os.makedirs(out, exist_ok=True)
+
+@contextlib.contextmanager
+def _staged_out(out):
+    """A new directory beside `out` to write into; at the end it replaces `out`
+    (with `--overwrite`, what `out` held), and on an error it is removed and
+    `out` is left as it was."""
+    parent = os.path.dirname(os.path.abspath(out))
+    try:
+        os.makedirs(parent, exist_ok=True)
+        staging = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out))}-",
+                                   dir=parent)
+    except OSError as error:
+        raise InputError(f"cannot create --out {out}: {error.strerror or error}") from None
+    try:
+        yield staging
+        if os.path.isdir(out):
+            shutil.rmtree(out)
+        os.replace(staging, out)
+    finally:
+        if os.path.isdir(staging):
+            shutil.rmtree(staging, ignore_errors=True)
 
 
 def run_inspect(args):
@@ -272,7 +313,7 @@ def run_inspect(args):
     _check_shape(shapes, arrays, args.data)
     data = _model_data(layout, arrays)
     if args.out:
-        _prepare_out(args.out, args.overwrite)
+        _check_out(args.out, args.overwrite)
     stats_names = tuple(args.reduce.split(","))
     kinds = tuple(args.kinds.split(","))
     sample = _model_data(layout, arrays, args.batch_size)
@@ -282,24 +323,27 @@ def run_inspect(args):
             model.predict(data, batch_size=args.batch_size, verbose=0)
         values = {key: stats[key] for key in stats}
         if args.out:
-            with cs.capture(model, args.select, kinds=kinds,
-                            to=os.path.join(args.out, "captures")) as full:
-                model.predict(data, batch_size=args.batch_size, verbose=0)
-            report.write_csv(os.path.join(args.out, "statistics.csv"), values)
-            with open(os.path.join(args.out, "summary.txt"), "w") as f:
-                f.write(tree + "\n")
-            hists = stats
-            if "hist" not in stats_names:  # the plot needs histograms: one more pass
-                with cs.capture(model, args.select, kinds=kinds, reduce="hist") as hists:
+            with _staged_out(args.out) as staging:
+                with cs.capture(model, args.select, kinds=kinds,
+                                to=os.path.join(staging, "captures")) as full:
                     model.predict(data, batch_size=args.batch_size, verbose=0)
-            counts = {k: hists[k] for k in hists if k.endswith("/hist")}
-            edges = {k: hists.hist_edges(k) for k in counts}
-            report.plot_histograms(counts, edges, os.path.join(args.out, "histograms.png"),
-                                   title="Histograms over the whole data")
+                report.write_csv(os.path.join(staging, "statistics.csv"), values)
+                with open(os.path.join(staging, "summary.txt"), "w") as f:
+                    f.write(tree + "\n")
+                hists = stats
+                if "hist" not in stats_names:  # the plot needs histograms: one more pass
+                    with cs.capture(model, args.select, kinds=kinds, reduce="hist") as hists:
+                        model.predict(data, batch_size=args.batch_size, verbose=0)
+                counts = {k: hists[k] for k in hists if k.endswith("/hist")}
+                edges = {k: hists.hist_edges(k) for k in counts}
+                report.plot_histograms(counts, edges,
+                                       os.path.join(staging, "histograms.png"),
+                                       title="Histograms over the whole data")
     except ValueError as error:
         raise InputError(_first_line(str(error))) from None
     if args.json:
-        print(json.dumps({k: _jsonable(v) for k, v in values.items()}))
+        # Strict JSON: a statistic with no finite value (NaN, ±inf) is null.
+        print(json.dumps({k: _jsonable(v) for k, v in values.items()}, allow_nan=False))
         return
     print(tree)
     print()
@@ -310,13 +354,20 @@ def run_inspect(args):
 
 
 def _jsonable(value):
-    array = np.asarray(value)
-    return float(array) if array.ndim == 0 else array.tolist()
+    array = np.asarray(value, np.float64)
+    listed = array.tolist()
+    if array.ndim == 0:
+        return listed if np.isfinite(listed) else None
+    return np.where(np.isfinite(array), array, None).tolist()
 
 
 def _first_line(text):
+    """The first line that says what went wrong: Keras's "Exception encountered when
+    calling ..." heads the cause, which follows it (in bold: ANSI codes dropped)."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", text)
     lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
-    return lines[0] if lines else "unknown error"
+    said = [line for line in lines if not line.startswith("Exception encountered when")]
+    return (said or lines or ["unknown error"])[0]
 
 
 if __name__ == "__main__":
