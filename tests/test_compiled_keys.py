@@ -103,9 +103,16 @@ def test_the_cache_is_bounded_and_evicts_with_a_warning():
         warnings.simplefilter("error", UserWarning)
         net.predict(X, mode="triple", verbose=0)  # still cached: no warning
     assert builds["predict"] == 3
-    with pytest.warns(UserWarning, match="evicted"):
+    with pytest.warns(UserWarning, match="evicted") as caught:
         net.predict(X, mode="double", verbose=0)  # evicted before: rebuilt
     assert builds["predict"] == 4
+    # The warning names the user's line, whatever the entry point's depth.
+    evictions = [w for w in caught if "evicted" in str(w.message)]
+    assert {w.filename for w in evictions} == {__file__}, [(w.filename, w.lineno)
+                                                            for w in evictions]
+    with pytest.warns(UserWarning, match="evicted") as caught:
+        net.predict_on_batch(X, mode="other")
+    assert {w.filename for w in caught if "evicted" in str(w.message)} == {__file__}
 
 
 def test_unused_model_leaves_keras_functions_in_place():

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import collections
 import math
+import os
+import sys
 import threading
 import warnings
 from collections.abc import Callable
@@ -138,7 +140,7 @@ class KeyTable:
                 f"callscope evicted the compiled functions of context ({describe(key_)}) "
                 f"(more than context_cache_size={limit} distinct keys). It will retrace "
                 "if used again. Raise `model.context_cache_size` to keep more.",
-                stacklevel=5,
+                stacklevel=_user_stacklevel(),
             )
         return entry
 
@@ -156,3 +158,14 @@ class KeyTable:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+def _user_stacklevel() -> int:
+    """The `stacklevel` that names the user's line: the first frame outside
+    callscope and Keras (how deep the call is depends on the entry point)."""
+    inside = (os.path.dirname(os.path.abspath(__file__)),
+              os.path.dirname(os.path.abspath(keras.__file__)))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(inside):
+        frame, level = frame.f_back, level + 1
+    return level
