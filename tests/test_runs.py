@@ -328,6 +328,33 @@ def test_a_callbacks_predict_under_a_gradient_capture_records_no_gradients():
             model.predict(X, verbose=0)
 
 
+def test_a_held_models_predict_in_a_callback_is_nested_in_the_fit_that_holds_it():
+    # The capture is of a model held by the one that fits: the callback's calls
+    # of the held model are nested in that fit too (they ended it under a
+    # gradient capture, and were top-level calls that mixed with its rows).
+    inner = _seq("inner")
+    x = keras.Input((4,))
+    outer = cs.Model(x, inner(x), name="outer")
+    outer.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+
+    class Predicts(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            inner.predict(X[:3], verbose=0)
+            inner(X[3:5])
+
+    with cs.capture(inner, "inner/d", kinds=("output", "grad")) as cap:
+        outer.fit(X, Y, batch_size=8, epochs=1, verbose=0, callbacks=[Predicts()],
+                  shuffle=False)
+    assert [(c.method, c.nested) for c in cap.calls] == [
+        ("fit", False), ("predict", True), ("__call__", True)]
+    out = _dense(inner, X)
+    np.testing.assert_allclose(cap["inner/d:output"], out, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(cap["inner/d:grad"], 2 * (out - Y) / Y.size, rtol=1e-4,
+                               atol=1e-7)
+    np.testing.assert_allclose(cap.calls[1]["inner/d:output"], out[:3], rtol=1e-5, atol=1e-6)
+    assert set(cap.calls[2]) == {"inner/d:output"}
+
+
 def test_calls_of_different_kinds_are_never_merged():
     model = _seq()
     with cs.capture(model, "s/d", reduce="mean") as cap:

@@ -87,24 +87,24 @@ class Capture(Mapping):
         self._claim: str | None = None  # the directory, claimed while the scope is open
         self._lock = threading.Lock()  # calls may start in copied contexts' threads
 
-    def _begin(self, method: str, outer) -> _sinks.Call:
-        """A new call's sink (called by the model when a call starts). `outer` is
-        the run of the model the call is made in (`fit` for its validation), or
-        None. The call is nested for this capture only where this capture records
-        that outer run too: a capture opened inside a callback reads the calls it
-        saw as its own."""
+    def _begin(self, method: str, runs: tuple) -> _sinks.Call:
+        """A new call's sink (called by the model when a call starts). `runs` are
+        those in progress in this thread (`fit` for its validation, or the fit of
+        a model that holds this one, for a callback's `predict`). The call is
+        nested for this capture only where this capture records one of them too:
+        a capture opened inside a callback reads the calls it saw as its own."""
         with self._lock:
-            nested = self._records(outer)
+            nested = self._records(runs)
             directory = (None if self._dir is None
                          else os.path.join(self._dir, f"call_{len(self.calls):03d}"))
             call = _sinks.Call(self.spec, method, nested, directory)
             self.calls.append(call)
         return call
 
-    def _records(self, outer) -> bool:
-        """Whether this capture records the run `outer` (None: no run)."""
-        return outer is not None and any(  # by identity: a Call is a Mapping
-            any(call is mine for mine in self.calls) for call in outer.calls)
+    def _records(self, runs: tuple) -> bool:
+        """Whether this capture records one of `runs`."""
+        return any(any(call is mine for mine in self.calls)  # by identity: a Call is
+                   for run in runs for call in run.calls)    # a Mapping
 
     def _top(self) -> list[_sinks.Call]:
         top = [c for c in self.calls if not c.nested and len(c)]

@@ -128,8 +128,8 @@ class CaptureMixin:
         `invoke` makes the call another way (`stateless_call`, with the weights
         `state`: its trainable and non-trainable values)."""
         _steps.check_not_rematerialized(self)
-        outer = _scope.run_of(self)
-        specs = _steps.call_specs(captures, "__call__", outer)
+        outer, runs = _scope.run_of(self), _scope.runs_here()
+        specs = _steps.call_specs(captures, "__call__", runs)
         if captures:
             _steps.check_capture_supported(self, "__call__", specs)
         first = args[0] if args else kwargs.get("inputs")
@@ -141,7 +141,7 @@ class CaptureMixin:
             _record.install_wrappers(self)
             self._cs_check_loops(captures, patches)
         nested = outer is not None
-        calls = tuple(c._begin("__call__", outer) for c in captures)
+        calls = tuple(c._begin("__call__", runs) for c in captures)
         run = Run(self, "__call__", self._cs_table().default, (), calls, patches, nested,
                   host=_sinks.Landing(calls) if calls else None)
         with _scope.running(run):

@@ -211,8 +211,8 @@ class Engine(CaptureMixin):
         frame = _scope.overlay({**dict.fromkeys(state.names), **values}, keyed=True)
         values.update(variables)
         key = _keys.static_key(values, set(state.static))
-        outer = _scope.run_of(self)
-        specs = _steps.call_specs(captures, method, outer,
+        outer, runs = _scope.run_of(self), _scope.runs_here()
+        specs = _steps.call_specs(captures, method, runs,
                                   _keras_compat.is_fit_validation(method, kwargs))
         if captures:
             _steps.check_capture_supported(self, method, specs)
@@ -231,7 +231,7 @@ class Engine(CaptureMixin):
             _scope.check_unkeyed(entry.reads, state.names)
             self._cs_install_steps()
             nested = outer is not None
-            calls = tuple(c._begin(method, outer) for c in captures)
+            calls = tuple(c._begin(method, runs) for c in captures)
             if dynamic and _JAX:
                 positions = {id(v): i for i, v in enumerate(self.non_trainable_variables)}
                 dynamic = [(positions[id(v)], a) for v, a in dynamic]

@@ -435,6 +435,11 @@ def run_inside(layer) -> bool:
                for run in _RUNS.get())
 
 
+def runs_here() -> tuple:
+    """The runs in progress in this thread, the innermost last."""
+    return tuple(_RUNS.get())
+
+
 def run_of(model):
     """The innermost run of `model` in this thread, or None."""
     for run in reversed(_RUNS.get()):

@@ -149,16 +149,17 @@ def check_not_rematerialized(model) -> None:
 _WITH_LOSS = ("fit", "evaluate", "train_on_batch", "test_on_batch")
 
 
-def call_specs(captures, method: str, outer, validation: bool = False) -> tuple:
+def call_specs(captures, method: str, runs: tuple, validation: bool = False) -> tuple:
     """What each capture records in this call: its spec, without gradients in fit's
     validation (`validation`: they would cost a backward pass per step) and in a
-    call without a loss made inside a run that the capture records (a callback's
-    `predict` or `model(x)` during a captured `fit`): there, the other kinds."""
+    call without a loss made inside a run that the capture records (`runs`: those
+    in progress here; a callback's `predict` or `model(x)` during a captured
+    `fit`, of the model or of one it holds): there, the other kinds."""
     specs = []
     for capture in captures:
         spec = capture.spec
         if "grad" in spec.kinds and (validation or (
-                method not in _WITH_LOSS and capture._records(outer))):
+                method not in _WITH_LOSS and capture._records(runs))):
             spec = dataclasses.replace(spec, kinds=tuple(k for k in spec.kinds if k != "grad"))
         specs.append(spec)
     return tuple(specs)
