@@ -133,8 +133,8 @@ def test_inspect_input_errors_are_one_line_with_exit_1(saved, tmp_path):
 
 
 def test_a_failed_inspect_leaves_out_as_it_was(saved, tmp_path):
-    # --overwrite replaces --out only once the run succeeds: a bad --select
-    # deleted what it held before.
+    # --overwrite empties --out only once the statistics are computed: a bad
+    # --select deleted what it held before.
     _, path, _ = saved
     out = tmp_path / "keep"
     out.mkdir()
@@ -142,12 +142,26 @@ def test_a_failed_inspect_leaves_out_as_it_was(saved, tmp_path):
     args = ("inspect", path, "--data", tmp_path / "x.npy", "--out", out, "--overwrite")
     _one_line_error(run_here(*args, "--select", "seq/nope"), 1, "seq/nope")
     assert os.listdir(out) == ["notes.txt"] and (out / "notes.txt").read_text() == "precious"
-    assert [p for p in os.listdir(tmp_path) if p.startswith(".keep")] == []  # no staging left
+    mode = out.stat().st_mode
     assert run_here(*args).returncode == 0
     assert (out / "captures" / "index.json").exists() and not (out / "notes.txt").exists()
-    assert [p for p in os.listdir(tmp_path) if p.startswith(".keep")] == []
-    loaded = cs.load_capture(out / "captures")  # moved into place, still readable
-    assert loaded["seq/hidden:output"].shape == (40, 5)
+    assert out.stat().st_mode == mode  # the directory itself is kept
+    # A link to a directory, and the working directory itself, are written in place.
+    target = tmp_path / "target"
+    target.mkdir()
+    (tmp_path / "link").symlink_to(target)
+    args = ("inspect", path, "--data", tmp_path / "x.npy")
+    assert run_here(*args, "--out", tmp_path / "link").returncode == 0
+    assert (target / "summary.txt").exists() and (tmp_path / "link").is_symlink()
+    here = tmp_path / "here"
+    here.mkdir()
+    cwd = os.getcwd()
+    try:
+        os.chdir(here)
+        assert run_here(*args, "--out", ".").returncode == 0
+    finally:
+        os.chdir(cwd)
+    assert (here / "captures" / "index.json").exists()
 
 
 def test_inspect_bad_paths_and_files_are_one_line_errors(saved, tmp_path):
@@ -158,7 +172,7 @@ def test_inspect_bad_paths_and_files_are_one_line_errors(saved, tmp_path):
     _one_line_error(run_here("inspect", path, "--data", data, "--out", data, "--overwrite"),
                     1, "is a file")
     _one_line_error(run_here("inspect", path, "--data", data, "--out", "/proc/nope/out"), 1,
-                    "cannot create --out")
+                    "cannot write --out")
     np.savez(tmp_path / "objects.npz", x=np.array([{"a": 1}] * 3, dtype=object))
     _one_line_error(run_here("inspect", path, "--data", tmp_path / "objects.npz"), 1,
                     "objects.npz", "cannot be read")

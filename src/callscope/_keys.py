@@ -163,8 +163,8 @@ class KeyTable:
 def _user_stacklevel() -> int:
     """The `stacklevel` that names the user's line: the first frame outside
     callscope and Keras (how deep the call is depends on the entry point)."""
-    inside = (os.path.dirname(os.path.abspath(__file__)),
-              os.path.dirname(os.path.abspath(keras.__file__)))
+    inside = (os.path.dirname(os.path.abspath(__file__)) + os.sep,  # (not keras_hub/)
+              os.path.dirname(os.path.abspath(keras.__file__)) + os.sep)
     frame, level = sys._getframe(1), 1
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(inside):
         frame, level = frame.f_back, level + 1

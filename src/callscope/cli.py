@@ -17,13 +17,11 @@ traceback.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import re
 import shutil
 import sys
-import tempfile
 import zipfile
 
 import numpy as np
@@ -270,8 +268,7 @@ def _model_data(layout, arrays, rows=None):
 
 def _check_out(out, overwrite):
     """Refuses an `--out` that is a file, or a directory with files but no
-    `--overwrite`, before any work: what is there is replaced only once the run
-    succeeds (`_staged_out`)."""
+    `--overwrite`, before any work (`_clear_out` empties it later)."""
     if os.path.exists(out) and not os.path.isdir(out):
         raise InputError(f"--out {out} is a file; give a directory (new, or empty)")
     if os.path.isdir(out) and os.listdir(out) and not overwrite:
@@ -279,26 +276,19 @@ def _check_out(out, overwrite):
                          "or pass --overwrite")
 
 
-@contextlib.contextmanager
-def _staged_out(out):
-    """A new directory beside `out` to write into; at the end it replaces `out`
-    (with `--overwrite`, what `out` held), and on an error it is removed and
-    `out` is left as it was."""
-    parent = os.path.dirname(os.path.abspath(out))
+def _clear_out(out):
+    """Makes `out` an empty directory: what it holds is deleted (`--overwrite`), the
+    directory itself kept (its mode, a link to it, `.`, a mount point)."""
     try:
-        os.makedirs(parent, exist_ok=True)
-        staging = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out))}-",
-                                   dir=parent)
+        os.makedirs(out, exist_ok=True)
+        for name in os.listdir(out):
+            path = os.path.join(out, name)
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            else:
+                os.remove(path)
     except OSError as error:
-        raise InputError(f"cannot create --out {out}: {error.strerror or error}") from None
-    try:
-        yield staging
-        if os.path.isdir(out):
-            shutil.rmtree(out)
-        os.replace(staging, out)
-    finally:
-        if os.path.isdir(staging):
-            shutil.rmtree(staging, ignore_errors=True)
+        raise InputError(f"cannot write --out {out}: {error.strerror or error}") from None
 
 
 def run_inspect(args):
@@ -323,22 +313,23 @@ def run_inspect(args):
             model.predict(data, batch_size=args.batch_size, verbose=0)
         values = {key: stats[key] for key in stats}
         if args.out:
-            with _staged_out(args.out) as staging:
-                with cs.capture(model, args.select, kinds=kinds,
-                                to=os.path.join(staging, "captures")) as full:
+            # Emptied only now that the statistics checked the data and the
+            # selection: a run that fails on those leaves it as it was.
+            _clear_out(args.out)
+            with cs.capture(model, args.select, kinds=kinds,
+                            to=os.path.join(args.out, "captures")) as full:
+                model.predict(data, batch_size=args.batch_size, verbose=0)
+            report.write_csv(os.path.join(args.out, "statistics.csv"), values)
+            with open(os.path.join(args.out, "summary.txt"), "w") as f:
+                f.write(tree + "\n")
+            hists = stats
+            if "hist" not in stats_names:  # the plot needs histograms: one more pass
+                with cs.capture(model, args.select, kinds=kinds, reduce="hist") as hists:
                     model.predict(data, batch_size=args.batch_size, verbose=0)
-                report.write_csv(os.path.join(staging, "statistics.csv"), values)
-                with open(os.path.join(staging, "summary.txt"), "w") as f:
-                    f.write(tree + "\n")
-                hists = stats
-                if "hist" not in stats_names:  # the plot needs histograms: one more pass
-                    with cs.capture(model, args.select, kinds=kinds, reduce="hist") as hists:
-                        model.predict(data, batch_size=args.batch_size, verbose=0)
-                counts = {k: hists[k] for k in hists if k.endswith("/hist")}
-                edges = {k: hists.hist_edges(k) for k in counts}
-                report.plot_histograms(counts, edges,
-                                       os.path.join(staging, "histograms.png"),
-                                       title="Histograms over the whole data")
+            counts = {k: hists[k] for k in hists if k.endswith("/hist")}
+            edges = {k: hists.hist_edges(k) for k in counts}
+            report.plot_histograms(counts, edges, os.path.join(args.out, "histograms.png"),
+                                   title="Histograms over the whole data")
     except ValueError as error:
         raise InputError(_first_line(str(error))) from None
     if args.json:
