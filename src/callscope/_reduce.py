@@ -277,8 +277,10 @@ def _centred(deviations, mean, n):
     n = ops.maximum(n, 1.0)
     drift = ops.sum(deviations)
     m2 = ops.sum(ops.square(deviations)) - ops.square(drift) / n
-    # A mean whose sum overflowed is inf, and its deviations -inf: corrected, NaN.
-    return ops.where(ops.isfinite(mean), mean + drift / n, mean), ops.maximum(m2, 0.0)
+    # A correction that is not finite is left out: a mean whose sum overflowed is
+    # inf, and its deviations -inf (corrected, it read NaN).
+    shift = ops.nan_to_num(drift / n, nan=0.0, posinf=0.0, neginf=0.0)
+    return mean + shift, ops.maximum(m2, 0.0)
 
 
 def _scale(largest):
@@ -607,7 +609,8 @@ def _torch_partials(value, stats, bins, hist_range):
                 centred = (xf - mean).masked_fill_(bad, 0.0)
                 drift = centred.sum()
                 shift = drift / at_least_1
-                scalars[-1] = torch.where(mean.isfinite(), mean + shift, mean)  # (`_centred`)
+                # (One op, not isfinite's four and a where: `_centred`.)
+                scalars[-1] = mean + shift.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
                 m2 = (torch.dot(centred, centred) - drift * shift).clamp_(min=0.0)
                 names.append("m2"), scalars.append(m2)
         if "qm" in needed:  # scaled, as in `_masked_partials`
