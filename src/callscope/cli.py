@@ -73,6 +73,8 @@ def main(argv=None) -> int:
         if args.command == "demo":
             from callscope._demo import run_demo
 
+            _check_out(args.out, overwrite=True)  # (the demo writes over its own files)
+            _make_out(args.out)
             run_demo(args.out, args.epochs)
         else:
             run_inspect(args)
@@ -268,7 +270,7 @@ def _model_data(layout, arrays, rows=None):
 
 def _check_out(out, overwrite):
     """Refuses an `--out` that is a file, or a directory with files but no
-    `--overwrite`, before any work (`_clear_out` empties it later)."""
+    `--overwrite`, before any work (`_make_out` empties it later)."""
     if os.path.exists(out) and not os.path.isdir(out):
         raise InputError(f"--out {out} is a file; give a directory (new, or empty)")
     if os.path.isdir(out) and os.listdir(out) and not overwrite:
@@ -276,12 +278,13 @@ def _check_out(out, overwrite):
                          "or pass --overwrite")
 
 
-def _clear_out(out):
-    """Makes `out` an empty directory: what it holds is deleted (`--overwrite`), the
-    directory itself kept (its mode, a link to it, `.`, a mount point)."""
+def _make_out(out, empty=False):
+    """Makes `out` a directory, emptied with `empty` (`--overwrite`): what it holds
+    is deleted, the directory itself kept (its mode, a link to it, `.`, a mount
+    point)."""
     try:
         os.makedirs(out, exist_ok=True)
-        for name in os.listdir(out):
+        for name in os.listdir(out) if empty else ():
             path = os.path.join(out, name)
             if os.path.isdir(path) and not os.path.islink(path):
                 shutil.rmtree(path)
@@ -315,7 +318,7 @@ def run_inspect(args):
         if args.out:
             # Emptied only now that the statistics checked the data and the
             # selection: a run that fails on those leaves it as it was.
-            _clear_out(args.out)
+            _make_out(args.out, empty=True)
             with cs.capture(model, args.select, kinds=kinds,
                             to=os.path.join(args.out, "captures")) as full:
                 model.predict(data, batch_size=args.batch_size, verbose=0)
@@ -346,9 +349,8 @@ def run_inspect(args):
 
 def _jsonable(value):
     array = np.asarray(value, np.float64)
-    listed = array.tolist()
     if array.ndim == 0:
-        return listed if np.isfinite(listed) else None
+        return float(array) if np.isfinite(array) else None
     return np.where(np.isfinite(array), array, None).tolist()
 
 
