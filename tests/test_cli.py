@@ -260,6 +260,17 @@ def test_the_script_runs_this_checkout():
     assert Path(proc.stdout.strip()).resolve() == Path(cs.__file__).resolve()
 
 
+def test_python_dash_m_runs_the_command():
+    # `python -m callscope` is the same command as the script: its prog, its exit codes.
+    def module(*args):
+        return subprocess.run([sys.executable, "-m", "callscope", *args], capture_output=True,
+                              text=True, timeout=600, env=_env())
+
+    helped = module("inspect", "--help")
+    assert helped.returncode == 0 and helped.stdout.startswith("usage: callscope inspect")
+    _usage_error(module(), "required: command")
+
+
 def test_untrusted_lambda_needs_unsafe(tmp_path):
     model = keras.Sequential([keras.Input((4,)), keras.layers.Lambda(lambda t: t * 2.0)],
                              name="lam")
