@@ -122,17 +122,22 @@ def test_grad_capture_with_an_empty_selection_raises_the_capture_error(method, r
 def _custom_step_class(losses):
     """A `cs.Sequential` whose train_step and test_step call `compute_loss`
     `losses` times: the first call is the main loss, the others add half of it."""
+    class Eager(cs.Sequential):  # TF's and torch's loss and test step
+        def _loss(self, x, y):
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(x=x, y=y, y_pred=y_pred)
+            for _ in range(losses - 1):
+                loss = loss + 0.5 * self.compute_loss(x=x, y=y, y_pred=y_pred)
+            return loss
+
+        def test_step(self, data):
+            x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
+            return {"loss": self._loss(x, y)}
+
     if BACKEND == "tensorflow":
         import tensorflow as tf
 
-        class Custom(cs.Sequential):
-            def _loss(self, x, y):
-                y_pred = self(x, training=True)
-                loss = self.compute_loss(x=x, y=y, y_pred=y_pred)
-                for _ in range(losses - 1):
-                    loss = loss + 0.5 * self.compute_loss(x=x, y=y, y_pred=y_pred)
-                return loss
-
+        class Custom(Eager):
             def train_step(self, data):
                 x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
                 with tf.GradientTape() as tape:
@@ -141,21 +146,10 @@ def _custom_step_class(losses):
                 self.optimizer.apply(grads, self.trainable_weights)
                 return {"loss": loss}
 
-            def test_step(self, data):
-                x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
-                return {"loss": self._loss(x, y)}
-
     elif BACKEND == "torch":
         import torch
 
-        class Custom(cs.Sequential):
-            def _loss(self, x, y):
-                y_pred = self(x, training=True)
-                loss = self.compute_loss(x=x, y=y, y_pred=y_pred)
-                for _ in range(losses - 1):
-                    loss = loss + 0.5 * self.compute_loss(x=x, y=y, y_pred=y_pred)
-                return loss
-
+        class Custom(Eager):
             def train_step(self, data):
                 x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
                 loss = self._loss(x, y)
@@ -165,10 +159,6 @@ def _custom_step_class(losses):
                 with torch.no_grad():
                     self.optimizer.apply(grads, self.trainable_weights)
                 return {"loss": loss}
-
-            def test_step(self, data):
-                x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
-                return {"loss": self._loss(x, y)}
 
     else:
         import jax
