@@ -200,3 +200,23 @@ def test_torch_reentrant_forward_pass_is_told_from_the_others():
     assert seen == [True, False, False, False, True, False, False], (
         f"torch {torch.__version__} changed: {seen}")
     assert not _keras_compat.in_reentrant_checkpoint_forward()
+
+
+def test_a_mask_on_a_call_output_is_kept_by_layer_call():
+    # `_record._masked_like` relies on both: the mask is read and set as Keras
+    # does, and `Layer.__call__` keeps a mask the call's output already has.
+    class Passes(keras.layers.Layer):
+        def __init__(self):
+            super().__init__()
+            self.supports_masking = True
+
+        def call(self, x):
+            y = x + 0.0
+            _keras_compat.set_keras_mask(y, keras.ops.convert_to_tensor([True, False]))
+            return y
+
+    x = keras.ops.ones((2, 3))
+    _keras_compat.set_keras_mask(x, keras.ops.convert_to_tensor([False, False]))
+    out = Passes()(x)
+    assert keras.ops.convert_to_numpy(_keras_compat.keras_mask(out)).tolist() == [True, False]
+    assert _keras_compat.keras_mask(keras.ops.ones((2,))) is None

@@ -21,6 +21,7 @@ import itertools
 import threading
 
 import keras
+from keras.src.backend.common import masking as _masking
 
 CHECKED_AGAINST = "3.15.1"
 
@@ -37,6 +38,8 @@ REQUIRED_ATTRIBUTES = (
     (keras.Model, "_flatten_layers"),  # layers/layer.py:1708
     (keras.layers.Layer, "_seed_generators"),  # instance attr, layer.py:393
     (keras.layers.Layer, "_remat_mode"),  # instance attr, ops/operation.py:34
+    (_masking, "get_keras_mask"),  # backend/common/masking.py:16
+    (_masking, "set_keras_mask"),  # backend/common/masking.py:5
 ) + (
     (
         (keras.Model, "_update_metrics_variables"),  # backend/jax/trainer.py:98
@@ -119,6 +122,20 @@ def swap_class(obj, cls):
     """`obj.__class__ = cls` (what `cs.enable` does; Keras reads the class name
     for serialization from `__name__`/registration, so the subclass keeps both)."""
     obj.__class__ = cls
+
+
+# --------------------------------------------------------------------------
+# Keras masks (keras 3.15.1: backend/common/masking.py). A tensor's mask is an
+# attribute (or, for a JAX array, an entry keyed by its id); `Layer.__call__`
+# keeps a mask already on a call's output (layers/layer.py:1725-1741).
+# --------------------------------------------------------------------------
+def keras_mask(tensor):
+    """The Keras mask set on `tensor`, or None."""
+    return _masking.get_keras_mask(tensor)
+
+
+def set_keras_mask(tensor, mask) -> None:
+    _masking.set_keras_mask(tensor, mask)
 
 
 # --------------------------------------------------------------------------

@@ -599,7 +599,8 @@ def sow(layer: keras.layers.Layer, name: str, value: Any) -> Any:
             noted = _recompute.replayed(checkpoint, _recompute.sown(layer, name))
             if noted is None or noted[1] is None:
                 return value
-            return noted[0].run(noted[1], _one_tensor(noted[1][1], value))
+            return _masked_like(noted[0].run(noted[1], _one_tensor(noted[1][1], value)), value,
+                                fresh=False)
     if collector is None or isinstance(value, keras.KerasTensor):
         return value
     point = collector.sown_point(layer, name)
@@ -615,7 +616,8 @@ def sow(layer: keras.layers.Layer, name: str, value: Any) -> Any:
         if not collector.first_as_one(point, value):
             return value
         taken = collector.selecting(point, called, sown=False)
-        return collector.record(point, layer, "output", value, sown=True, skip=taken)
+        recorded = collector.record(point, layer, "output", value, sown=True, skip=taken)
+        return _masked_like(recorded, value, fresh=True)
     found = None if patches is None else patches.find(point, collector)
     if checkpoint is not None:
         _recompute.note(checkpoint, _recompute.sown(layer, name), (patches, found))
@@ -629,8 +631,9 @@ def sow(layer: keras.layers.Layer, name: str, value: Any) -> Any:
                                                                  sown=True)):
         value = _one_tensor(point, value)  # (what is not recorded nor patched may be any)
     if patched:
-        value = patches.apply(point, value)
-    recorded = collector.record(point, layer, "output", value, sown=True)
+        value = _masked_like(patches.apply(point, value), given, fresh=False)
+    recorded = _masked_like(collector.record(point, layer, "output", value, sown=True), value,
+                            fresh=True)
     collector.tree.append((depth, point, layer, recorded, True))
     # The caller goes on with its own value (a capture must not change the model),
     # unless a patch replaced it or a gradient is taken with respect to it.
@@ -775,16 +778,22 @@ class RecordingCall:
         patches, point, applied = noted
         if patches is None or not applied:
             return outputs
+        called = outputs
         if point in applied:
             outputs = patches.run(applied[point], outputs)
         if _is_tensor(outputs):
-            return outputs
+            return _masked_like(outputs, called, fresh=False)
         flat = keras.tree.flatten_with_path(outputs)
         values = [v for _, v in flat]
+        if outputs is not called:
+            before = keras.tree.flatten(called)
+            if len(before) == len(values):
+                values = [_masked_like(v, b, fresh=False) for v, b in zip(values, before)]
         for i, (path, value) in enumerate(flat):
             child = "/".join([point, *map(str, path)])
             if child in applied and _is_tensor(value):
-                values[i] = patches.run(applied[child], value)
+                values[i] = _masked_like(patches.run(applied[child], values[i]), values[i],
+                                         fresh=False)
         return keras.tree.pack_sequence_as(outputs, values)
 
     def _record_inputs(self, collector, point, args, kwargs):
@@ -828,6 +837,24 @@ _ENCLOSING = (RecordingCall.__call__.__code__, "checkpoint")
 def _is_tensor(value) -> bool:
     return hasattr(value, "shape") and hasattr(value, "dtype") and not isinstance(
         value, np.generic)
+
+
+def _masked_like(new, old, fresh: bool):
+    """`new`, which goes on in the model in place of `old` (a patch's value, or
+    the tensor a gradient is taken at), with `old`'s Keras mask where it has
+    none: a model that masks its padding goes on masking it. (Keras sets no
+    mask again on a layer output that carries one, nor on a sown value.) A
+    patch's value may be a tensor the patch keeps (a constant), so unless it
+    is `fresh` the mask goes on a copy, never on the patch's own tensor."""
+    if new is old or not _is_tensor(new):
+        return new
+    mask = _keras_compat.keras_mask(old)
+    if mask is None or _keras_compat.keras_mask(new) is not None:
+        return new
+    if not fresh:
+        new = ops.copy(new)
+    _keras_compat.set_keras_mask(new, mask)
+    return new
 
 
 def _symbolic(args, kwargs) -> bool:
@@ -874,11 +901,15 @@ def _leaves(value, into=None) -> list:
 
 def _record_outputs(collector, patches, point, layer, outputs, depth):
     """Patches and records a layer's output, element by element for a structure;
-    returns the value the model goes on with (patched, or perturbed for JAX grads)."""
+    returns the value the model goes on with (patched, or perturbed for JAX grads),
+    with the call's Keras masks (`_masked_like`)."""
+    called = outputs
     if patches is not None:
         outputs = patches.apply(point, outputs, layer, point)
     if _is_tensor(outputs):
-        outputs = collector.record(point, layer, "output", outputs, sown=False)
+        outputs = _masked_like(outputs, called, fresh=False)
+        outputs = _masked_like(collector.record(point, layer, "output", outputs, sown=False),
+                               outputs, fresh=True)
         collector.tree.append((depth, point, layer, outputs, False))
         if _notes_one_points():
             collector.outputs[point] = (layer, outputs)
@@ -886,8 +917,14 @@ def _record_outputs(collector, patches, point, layer, outputs, depth):
     flat = keras.tree.flatten_with_path(outputs)
     leaves = [i for i, (_, v) in enumerate(flat) if _is_tensor(v)]
     values = [v for _, v in flat]
+    if outputs is not called:  # a patch of the whole structure: masks element by element
+        before = keras.tree.flatten(called)
+        if len(before) == len(values):
+            values = [_masked_like(v, b, fresh=False) for v, b in zip(values, before)]
     if len(leaves) == 1:
-        values[leaves[0]] = collector.record(point, layer, "output", values[leaves[0]], False)
+        value = values[leaves[0]]
+        values[leaves[0]] = _masked_like(
+            collector.record(point, layer, "output", value, False), value, fresh=True)
         if _notes_one_points():
             collector.outputs[point] = (layer, values[leaves[0]])  # the point's one tensor
     else:
@@ -903,12 +940,16 @@ def _record_outputs(collector, patches, point, layer, outputs, depth):
                     for found in collector._selection(child, layer, "output", False, point):
                         if found[3] and found[0] not in taken:
                             raise ValueError(_sown_element_grad(child, point))
-                    values[i] = collector.record(child, layer, "output", value, False,
-                                                 parent=point, skip=taken)
+                    values[i] = _masked_like(
+                        collector.record(child, layer, "output", value, False, parent=point,
+                                         skip=taken), value, fresh=True)
                 continue
             if patches is not None:
-                value = patches.apply(child, value, layer, point)
-            values[i] = collector.record(child, layer, "output", value, False, parent=point)
+                value = _masked_like(patches.apply(child, value, layer, point), value,
+                                     fresh=False)
+            values[i] = _masked_like(
+                collector.record(child, layer, "output", value, False, parent=point), value,
+                fresh=True)
             collector.tree.append((depth + 1, child, layer, values[i], False))
     if not leaves:
         return outputs
