@@ -1,5 +1,6 @@
 """One compiled function per static value: no retrace when switching, no stale trace."""
 
+import math
 import warnings
 
 import keras
@@ -122,3 +123,20 @@ def test_unused_model_leaves_keras_functions_in_place():
     first = model.predict_function
     model.predict(X, verbose=0)
     assert model.predict_function is first is not None
+
+
+def test_minus_zero_and_zero_select_their_own_functions():
+    # -0.0 == 0.0, yet a layer can tell them apart (copysign, 1 / x): one key each.
+    @cs.context_args("offset")
+    class Sign(keras.layers.Layer):
+        def call(self, x, offset=None):
+            first = offset[0] if isinstance(offset, tuple) else offset
+            return x if offset is None else x * math.copysign(1.0, first)
+
+    model = cs.Sequential([keras.Input((2,)), Sign(name="sign")], name="seq")
+    model.register_context_args("offset")
+    for offset in (0.0, -0.0, 0.0, (-0.0, 1)):
+        sign = math.copysign(1.0, offset if isinstance(offset, float) else offset[0])
+        np.testing.assert_array_equal(model.predict(X, offset=offset, verbose=0), X * sign)
+        with cs.context(offset=offset):
+            np.testing.assert_array_equal(model.predict(X, verbose=0), X * sign)

@@ -36,6 +36,12 @@ def test_tensor_for_a_static_name_points_to_dynamic(model):
         with pytest.raises(TypeError, match=r"dynamic=True.*Received: debugging=") as info:
             model.predict(X, debugging=value, verbose=0)
         assert "register_context_args('debugging', dynamic=True)" in str(info.value)
+    # A numpy scalar: said as numpy says it (numpy 2 calls its bool `bool`), with the fix.
+    with pytest.raises(TypeError, match=r"`debugging=value.item\(\)`. Received: "
+                                        r"debugging=np.True_$"):
+        model.predict(X, debugging=np.bool_(True), verbose=0)
+    with pytest.raises(TypeError, match=r"Received: debugging=<numpy.ndarray of shape \(2,\)>"):
+        model.predict(X, debugging=np.zeros(2), verbose=0)
 
 
 def test_unhashable_value_names_the_argument(model):

@@ -50,8 +50,10 @@ def check_static(name: str, value: Any) -> None:
             "compiled function, so it must be a bool, int, float, str, None or a "
             "tuple of these, not a tensor or array (a tensor would retrace on every "
             f"call). To pass numbers or arrays that change without retracing, "
-            f"register it with `model.register_context_args({name!r}, dynamic=True)`. "
-            f"Received: {name}={type(value).__name__}"
+            f"register it with `model.register_context_args({name!r}, dynamic=True)`"
+            + (f", or pass it as a Python value: `{name}=value.item()`"
+               if isinstance(value, np.generic) else "")
+            + f". Received: {name}={_tensor_described(value)}"
         )
     if isinstance(value, tuple):
         for item in value:
@@ -77,10 +79,22 @@ def check_static(name: str, value: Any) -> None:
             ) from None
 
 
+def _tensor_described(value) -> str:
+    """`np.True_`, or `<torch.Tensor of shape (2,)>`: the type said in full (numpy
+    2 calls its bool `bool`), never a whole array."""
+    if isinstance(value, np.generic):
+        return repr(value)
+    kind = type(value)
+    return f"<{kind.__module__}.{kind.__qualname__} of shape {tuple(value.shape)}>"
+
+
 def freeze(value: Any) -> Any:
-    """A key item that differs whenever the type differs (`True`, `1`, `1.0`)."""
+    """A key item that differs whenever the type differs (`True`, `1`, `1.0`), and
+    for `-0.0` and `0.0` (equal, yet `copysign`, `1 / x` and `atan2` tell them apart)."""
     if isinstance(value, tuple):
         return ("tuple", tuple(freeze(v) for v in value))
+    if isinstance(value, float) and value == 0.0:
+        return (type(value).__qualname__, value, math.copysign(1.0, value))
     return (type(value).__qualname__, value)
 
 
