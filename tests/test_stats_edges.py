@@ -542,3 +542,88 @@ def test_std_of_a_large_tensor_is_right_to_float32s_rounding(ratio):
     # The mean's error against the spread (at ratio 0 the mean itself is ~0).
     assert abs(parts["mean"][0] - expected["mean"]) < 2e-6 * max(std, abs(expected["mean"]))
     assert abs(parts["m2"][0] / expected["m2"] - 1) < 2e-6
+
+
+# Mixed precision: statistics of the values a bfloat16 layer returned.
+
+class _Amp(keras.layers.Layer):
+    """Values in +-1234.5 with bits far below bfloat16's 8: its rounding shows."""
+
+    def call(self, x):
+        return keras.ops.tanh(x * 3.7) * 1234.5
+
+
+def _bf16_model():
+    inputs = keras.Input((8,))
+    h = _Amp(name="amp")(keras.layers.Dense(16, name="d1")(inputs))
+    return cs.Model(inputs, keras.layers.Dense(2, name="d2")(h), name="m")
+
+
+def _check_against_captured(stats, key, steps, values, hist_range):
+    """`stats[key]`'s mean, min, max and hist (one row per step where `steps` > 1)
+    against numpy float64 statistics of the full capture's `values` (bfloat16)."""
+    assert values.dtype.name == "bfloat16", values.dtype
+    rows = np.asarray(values, np.float64).reshape(steps, -1)
+    # The float32 sums' rounding is a part in 2**24 of the sum of |values|: the
+    # mean is checked against the spread (XLA's dropped rounding was 1e-4 of it).
+    np.testing.assert_allclose(stats[f"{key}/mean"], rows.mean(1).squeeze(), rtol=0,
+                               atol=1e-6 * np.abs(rows).max(), err_msg=key)
+    np.testing.assert_array_equal(stats[f"{key}/min"], rows.min(1).squeeze(), err_msg=key)
+    np.testing.assert_array_equal(stats[f"{key}/max"], rows.max(1).squeeze(), err_msg=key)
+    edges = stats.hist_edges(key)
+    np.testing.assert_allclose(edges, np.linspace(*hist_range, len(edges)))
+    hist = [np.histogram(np.clip(row, *hist_range), edges)[0] for row in rows]
+    np.testing.assert_array_equal(stats[f"{key}/hist"], np.squeeze(hist), err_msg=key)
+
+
+def _power_of_two_range(values):
+    """(-r, r) for the smallest power of two r over every |value|: with as many
+    bins as a power of two, the bin edges and bin indices are exact."""
+    r = 2.0 ** np.ceil(np.log2(np.abs(np.asarray(values, np.float64)).max()))
+    return (-r, r)
+
+
+def test_statistics_of_a_bfloat16_output_are_of_its_rounded_values_in_predict():
+    """On JAX, XLA computed the layer in float32 and (allowed excess precision)
+    dropped the float32 -> bfloat16 -> float32 round trip of the layer's cast and
+    the statistics' own: they were of values the layer never returned (a mean
+    off by 1e-4 of the spread, a min no bfloat16 holds, counts in other bins)."""
+    keras.mixed_precision.set_dtype_policy("mixed_bfloat16")
+    try:
+        model = _bf16_model()
+        x = np.random.default_rng(0).normal(size=(64, 8)).astype("float32")
+        with cs.capture(model, "m/amp") as full:
+            model.predict(x, batch_size=16, verbose=0)
+        hist_range = (-2048.0, 2048.0)
+        with cs.capture(model, "m/amp", reduce=("mean", "min", "max", "hist"),
+                        hist_range=hist_range, bins=128) as stats:
+            model.predict(x, batch_size=16, verbose=0)  # 4 steps, merged
+        _check_against_captured(stats, "m/amp:output", 1, full["m/amp:output"], hist_range)
+    finally:
+        keras.mixed_precision.set_dtype_policy("float32")
+
+
+def test_statistics_of_a_bfloat16_output_and_gradient_are_of_their_rounded_values_in_fit():
+    """The same in fit, one row per step, for the output and its gradient (also
+    bfloat16): a learning rate of 0 keeps the weights, so both fits see the same
+    values."""
+    keras.mixed_precision.set_dtype_policy("mixed_bfloat16")
+    try:
+        model = _bf16_model()
+        model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+        rng = np.random.default_rng(0)
+        x = rng.normal(size=(64, 8)).astype("float32")
+        y = rng.normal(size=(64, 2)).astype("float32")
+        kinds = ("output", "grad")
+        with cs.capture(model, "m/amp", kinds=kinds) as full:
+            model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
+        ranges = {kind: _power_of_two_range(full[f"m/amp:{kind}"]) for kind in kinds}
+        with cs.capture(model, "m/amp", kinds=kinds, reduce=("mean", "min", "max", "hist"),
+                        hist_range=ranges, bins=128) as stats:
+            model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
+        for kind in kinds:
+            key = f"m/amp:{kind}"
+            assert stats[f"{key}/mean"].shape == (4,), key
+            _check_against_captured(stats, key, 4, full[key], ranges[kind])
+    finally:
+        keras.mixed_precision.set_dtype_policy("float32")

@@ -53,6 +53,8 @@ _NEEDS = {
     "nan_count": ("nnan",),
     "inf_count": ("ninf",),
 }
+# Exponent and mantissa bits of the narrow float dtypes whose rounding JAX keeps.
+_OWN_PRECISION = {"bfloat16": (8, 7), "float16": (5, 10)}
 _FINITE_ONLY = ("n", "mean", "m2", "qm", "min", "max", "absmax", "nzero", "hist")
 _SCALARS = ("n", "mean", "m2", "qm", "min", "max", "absmax", "nzero", "nnan", "ninf")
 
@@ -108,6 +110,16 @@ def partials(value, stats, bins=32, hist_range=None):
     if _TORCH:
         return _torch_partials(value, stats, bins, hist_range)
     value = ops.stop_gradient(value)  # statistics never need gradients
+    if _JAX and str(value.dtype) in _OWN_PRECISION:
+        # XLA computes a bfloat16 (or float16) value in float32 and, allowed
+        # excess precision (its default), drops the f32 -> bf16 -> f32 round
+        # trip of the layer's cast and this one's: the statistics would be of
+        # values the layer never returned. A reduce_precision to the value's
+        # own precision changes nothing, and XLA keeps it until it is done
+        # simplifying conversions (`jax.checkpoint` relies on the same).
+        import jax
+
+        value = jax.lax.reduce_precision(value, *_OWN_PRECISION[str(value.dtype)])
 
     def flat():
         return ops.reshape(ops.cast(value, "float32"), (-1,))
