@@ -1,5 +1,7 @@
 """Dynamic context arguments: numbers and arrays as tensors, never retracing."""
 
+import re
+
 import keras
 import numpy as np
 import pytest
@@ -21,7 +23,7 @@ class Divide(keras.layers.Layer):
         if temperature is None:
             return x
         assert keras.ops.is_tensor(temperature) or isinstance(temperature, np.ndarray)
-        return x / temperature
+        return x / keras.ops.cast(temperature, x.dtype)
 
 
 def _model(traces):
@@ -69,6 +71,32 @@ def test_a_dynamic_value_keeps_its_first_shape():
     model.predict(X, temperature=2.0, verbose=0)
     with pytest.raises(ValueError, match=r"keeps the shape of its first value, \(\)"):
         model.predict(X, temperature=np.ones(3), verbose=0)
+
+
+@pytest.mark.parametrize("first, later, error, problem", [
+    (1, 0.5, TypeError, "a float64 value cannot be held as int"),
+    (np.int32(1), 2**40, ValueError, "the value does not fit in int32"),
+    (True, 2, TypeError, "a int64 value cannot be held as bool"),
+    (2.0, 1e40, ValueError, "the value overflows float32"),
+])
+def test_a_dynamic_value_keeps_its_first_dtype_and_refuses_a_lossy_cast(first, later, error,
+                                                                        problem):
+    # Cast silently, 0.5 ran as 0 and 2**40 as 0 (or wrapped), True held 2, 1e40 ran as inf.
+    model = _model([])
+    base = model.predict(X, verbose=0)
+    np.testing.assert_allclose(model.predict(X, temperature=first, verbose=0), base / first,
+                               rtol=1e-6)
+    message = (rf"`temperature` keeps the dtype of its first value, .*{problem}.*"
+               rf"Received: temperature={re.escape(repr(later))}$")
+    with pytest.raises(error, match=message):
+        model.predict(X, temperature=later, verbose=0)
+    with pytest.raises(error, match=message):
+        with cs.context(temperature=later):
+            model.evaluate(X, base, verbose=0)
+    # What fits is held exactly, and the model runs on after a refusal.
+    fits = True if isinstance(first, bool) else 3
+    np.testing.assert_allclose(model.predict(X, temperature=fits, verbose=0), base / fits,
+                               rtol=1e-6)
 
 
 def test_dynamic_variables_stay_out_of_saved_weights(tmp_path):

@@ -164,10 +164,11 @@ class Engine(CaptureMixin):
             variable = state.dynamic.get(name)
             if variable is None:
                 dtype = keras.config.floatx() if array.dtype.kind == "f" else str(array.dtype)
+                first = _held_as(name, array, np.dtype(dtype))
                 strategy = getattr(self, "distribute_strategy", None)
                 scope = strategy.scope() if strategy is not None else contextlib.nullcontext()
                 with scope:
-                    variable = keras.Variable(array.astype(dtype), trainable=False,
+                    variable = keras.Variable(first, trainable=False,
                                               name=f"callscope_{name}")
                 _keras_compat.add_hidden_state(self, variable)
                 state.dynamic[name] = variable
@@ -177,7 +178,7 @@ class Engine(CaptureMixin):
                 f"{tuple(variable.shape)}, so that it never retraces. Pass values of "
                 f"that shape. Received: {name} with shape {array.shape}"
             )
-        return variable, array.astype(variable.dtype)
+        return variable, _held_as(name, array, np.dtype(variable.dtype))
 
     def _cs_scopes(self) -> tuple[tuple, tuple]:
         """The caller's open captures and patches of this model or of a callscope
@@ -196,6 +197,9 @@ class Engine(CaptureMixin):
 
     def _cs_run(self, method: str, args: tuple, kwargs: dict) -> Any:
         state = self._cs
+        # Everything below reads (and writes) Keras's arguments by name, wherever
+        # the caller put them.
+        args, kwargs = _bind_positional(type(self), method, args, kwargs)
         given = self._cs_split(method, kwargs, _keras_method_parameters(type(self), method))
         captures, patches = self._cs_scopes()
         self._cs_check_stray()
@@ -240,12 +244,19 @@ class Engine(CaptureMixin):
                       tuple(c.spec for c in captures if c.spec.finds_ranges()),
                       _sinks.Landing(calls) if calls else None)
             logging = next((i for i, c in enumerate(captures) if c.log), None)
+            first = ()  # callscope's own callbacks, before the user's
             if method == "fit" and logging is not None:
-                user = list(kwargs.get("callbacks") or [])
-                kwargs["callbacks"] = [EpochStatistics(calls[logging], user), *user]
+                user = kwargs.get("callbacks")
+                if isinstance(user, keras.callbacks.CallbackList):
+                    # The user's list keeps its own progress bar (or none).
+                    first = (EpochStatistics(calls[logging], user.callbacks, progress=False),)
+                else:
+                    user = list(user or [])
+                    first = (EpochStatistics(calls[logging], user),)
             gates = state.gates(method)
-            if gates and method in ("fit", "evaluate", "predict"):
-                kwargs["callbacks"] = with_gate_callbacks(kwargs.get("callbacks"), gates, self)
+            if (gates or first) and method in ("fit", "evaluate", "predict"):
+                kwargs["callbacks"] = with_gate_callbacks(kwargs.get("callbacks"), gates, self,
+                                                          first)
             try:
                 result = self._cs_call_keras(method, run, frame, args, kwargs)
             except BaseException as error:
@@ -404,15 +415,43 @@ class Engine(CaptureMixin):
 
 
 _PARAMETER_CACHE: dict = {}
+_SIGNATURE_CACHE: dict = {}
+
+
+def _keras_signature(cls, method) -> inspect.Signature:
+    """The signature of Keras's own `method` (the one our wrapper calls), per class."""
+    key = (cls, method)
+    if key not in _SIGNATURE_CACHE:
+        base = next(c for c in cls.__mro__ if not issubclass(c, Engine)
+                    and not c.__module__.startswith("callscope."))
+        _SIGNATURE_CACHE[key] = inspect.signature(getattr(base, method))
+    return _SIGNATURE_CACHE[key]
+
+
+def _bind_positional(cls, method, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """`args` given by name, as Keras's own `method` binds them (`fit(x, y, 32)`:
+    x, y, batch_size), so callscope finds `callbacks` and the rest wherever the
+    caller put them. Arguments past Keras's named parameters stay positional (Keras
+    raises its own error for them)."""
+    if not args:
+        return args, kwargs
+    names = []
+    for parameter in list(_keras_signature(cls, method).parameters.values())[1:]:  # self
+        if parameter.kind is not parameter.POSITIONAL_OR_KEYWORD:
+            break
+        names.append(parameter.name)
+    bound = dict(zip(names, args))
+    for name in bound:
+        if name in kwargs:
+            raise TypeError(f"{method}() got multiple values for argument '{name}'")
+    return args[len(bound):], {**bound, **kwargs}
 
 
 def _keras_method_parameters(cls, method) -> set[str] | None:
     """The keywords Keras's own `method` accepts (None: anything goes)."""
     key = (cls, method)
     if key not in _PARAMETER_CACHE:
-        base = next(c for c in cls.__mro__ if not issubclass(c, Engine)
-                    and not c.__module__.startswith("callscope."))
-        params = inspect.signature(getattr(base, method)).parameters
+        params = _keras_signature(cls, method).parameters
         names = {n for n, p in params.items() if p.kind is not p.VAR_KEYWORD}
         if method == "evaluate":
             names |= _keras_compat.PRIVATE_EVALUATE_ARGUMENTS  # fit's validation
@@ -421,4 +460,29 @@ def _keras_method_parameters(cls, method) -> set[str] | None:
         _PARAMETER_CACHE[key] = names
     return _PARAMETER_CACHE[key]
 
+
+def _held_as(name: str, array: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """`array` as the dtype of dynamic `name`'s variable, or a clear error where
+    that would change its value beyond rounding: a float held as an int (0.5 -> 0),
+    a number held as a bool, an int out of range, a finite value that overflows."""
+    with np.errstate(over="ignore", invalid="ignore"):  # told below, in words
+        held = array.astype(dtype)
+    kinds = {"b": "b", "i": "biu", "u": "biu", "f": "biuf"}.get(dtype.kind, "")
+    if array.dtype.kind not in kinds:
+        error, problem = TypeError, f"a {array.dtype} value cannot be held as {dtype}"
+        fix = ("Pass values of that kind; to hold floats, make the first value a float "
+               "(1.0, not 1)")
+    elif dtype.kind in "iu" and not np.array_equal(held.astype(array.dtype), array):
+        error, problem = ValueError, f"the value does not fit in {dtype}"
+        fix = f"Pass values within {dtype}'s range, or make the first value a float"
+    elif dtype.kind == "f" and not np.array_equal(np.isfinite(held), np.isfinite(array)):
+        error, problem = ValueError, f"the value overflows {dtype}"
+        fix = f"Pass values within {dtype}'s range"
+    else:
+        return held
+    shown = array.item() if array.size == 1 else f"an array of dtype {array.dtype}"
+    raise error(
+        f"Dynamic context argument `{name}` keeps the dtype of its first value, {dtype}, "
+        f"so that it never retraces, and {problem}. {fix}. Received: {name}={shown!r}"
+    )
 
