@@ -121,3 +121,23 @@ def test_a_batch_patch_counts_rows_from_the_first_input_in_keras_order():
     with cs.patch(model, {"m/x": row_index}):
         got = model.predict(_Tables(), verbose=0)
     np.testing.assert_array_equal(got[:, 0], np.arange(6.0))
+
+
+def test_an_array_patch_that_a_cast_would_change_is_refused():
+    # An array is cast to the point's dtype: 2.7 onto an int point ran as 2, silently.
+    class ArgMax(keras.layers.Layer):
+        def call(self, x):
+            return keras.ops.argmax(x, axis=-1)
+
+    inputs = keras.Input((4,))
+    index = ArgMax(name="am")(inputs)
+    model = cs.Model(inputs, keras.layers.Identity(name="out")(index), name="m")
+    with cs.patch(model, {"m/am": np.arange(5, dtype="int64") * 3}):
+        np.testing.assert_array_equal(numpy(model.predict(CLEAN, verbose=0)), [0, 3, 6, 9, 12])
+    with pytest.raises(TypeError, match=r"The array patch of `m/am` holds float\d+ values, and "
+                                        r"the point's value is int\d+: the cast would change "
+                                        r"them \(2.7 -> 2\).*Received: an array of dtype float"):
+        with cs.patch(model, {"m/am": np.full((5,), 2.7)}):
+            model.predict(CLEAN, verbose=0)
+    np.testing.assert_array_equal(numpy(model.predict(CLEAN, verbose=0)),
+                                  np.argmax(CLEAN, axis=-1))

@@ -78,17 +78,40 @@ class ArrayPatch(DynamicPatch):
     """A patch by a full-data array: each batch gets its own rows (`batch.start`
     onwards). The array is an input of the compiled step (see `DynamicPatch`)."""
 
-    def __init__(self, array):
+    def __init__(self, array, point: str):
         super().__init__({"array": np.asarray(array)})
         self.rows = len(self.values["array"])
+        self.point = point
 
     def __call__(self, value, batch, values):
         array = values["array"]
+        _check_kind(self.point, array.dtype, value.dtype)
         # Clamped, so a batch past the end never fails inside the step: the run
         # raises a clear error when the step returns (`RowOffset.check_end`).
         rows = ops.minimum(ops.arange(batch.rows, dtype="int32") + batch.start,
                            array.shape[0] - 1)
         return ops.cast(ops.take(array, rows, axis=0), value.dtype)
+
+
+def _kind(dtype) -> str:
+    dtype = keras.backend.standardize_dtype(dtype)
+    return "bool" if dtype == "bool" else "int" if "int" in dtype else "float"
+
+
+def _check_kind(point: str, given, wanted) -> None:
+    """An array patch is cast to the point's dtype: refused where the cast would
+    change values beyond rounding (floats to ints truncate, numbers to bools)."""
+    held = {"bool": ("bool",), "int": ("bool", "int"), "float": ("bool", "int", "float")}
+    if _kind(given) in held[_kind(wanted)]:
+        return
+    given, wanted = (keras.backend.standardize_dtype(d) for d in (given, wanted))
+    example = "2.7 -> 2" if _kind(wanted) == "int" else "2 -> True"
+    raise TypeError(
+        f"The array patch of `{point}` holds {given} values, and the point's value is "
+        f"{wanted}: the cast would change them ({example}). Pass an array of the "
+        f"point's kind (e.g. `np.round(a).astype({wanted!r})`). Received: an array of "
+        f"dtype {given} for a {wanted} point"
+    )
 
 
 class ValuesPatch(DynamicPatch):
@@ -196,7 +219,7 @@ def _normalized(point, fn, values):
                 f"An array patch of `{point}` gives one row per row of the data, so it "
                 f"needs a batch axis. Received: an array of shape {array.shape}"
             )
-        return ArrayPatch(array)
+        return ArrayPatch(array, point)
     if not callable(fn):
         raise TypeError(
             "`cs.patch` takes {point (str): fn(value), fn(value, batch) or an array}. "
