@@ -24,8 +24,11 @@ class EpochStatistics(keras_callbacks.ProgbarLogger):
     see the statistics. Not meant to be constructed by hand.
     """
 
-    def __init__(self, call, callbacks=()):
+    def __init__(self, call, callbacks=(), progress=True):
         super().__init__()
+        # progress=False: only the statistics (a user-built CallbackList passed to
+        # fit keeps its own progress bar, or none).
+        self._progress = progress
         self.capture = call  # this fit's records (a `_capture.Call`)
         self._callbacks = list(callbacks)
         self._start: dict[str, int] = {}
@@ -35,7 +38,8 @@ class EpochStatistics(keras_callbacks.ProgbarLogger):
         call = self.capture
         call.flush()  # the last step lands first: the epoch starts after it
         self._start = {key: call.steps(key) for key in call._steps}
-        super().on_epoch_begin(epoch, logs)
+        if self._progress:
+            super().on_epoch_begin(epoch, logs)
 
     def on_epoch_end(self, epoch, logs=None):
         if logs is not None:
@@ -43,8 +47,9 @@ class EpochStatistics(keras_callbacks.ProgbarLogger):
             logs.update(scalars)
             self._keys.update(scalars)
             self._write_histograms(histograms, epoch)
-        shown = {k: v for k, v in (logs or {}).items() if k not in self._keys}
-        super().on_epoch_end(epoch, shown)
+        if self._progress:
+            shown = {k: v for k, v in (logs or {}).items() if k not in self._keys}
+            super().on_epoch_end(epoch, shown)
 
     def epoch_statistics(self):
         """Exact aggregates over this epoch's steps: ({key: float}, {key: counts})."""

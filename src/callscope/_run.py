@@ -14,8 +14,10 @@ purges a model's variables while its loop runs, so two concurrent calls would re
 None). It is never held while callbacks run: `GateReleasing` callbacks, first and
 last in the list, open it around every callback hook, after syncing the JAX state
 back into the variables, so a callback may wait on another thread's call into the
-same model. A callback that touches the weights (`self.model`) takes the gate back
-first (`Engine.jax_state_sync`), so it never sees them purged by another call.
+same model. A `CallbackList` the user built is never changed: a `GatedCallbackList`
+made for the call opens the gates around its hooks instead. A callback that touches
+the weights (`self.model`) takes the gate back first (`Engine.jax_state_sync`), so it
+never sees them purged by another call.
 """
 
 from __future__ import annotations
@@ -308,20 +310,103 @@ def _hooks_for(callbacks) -> tuple:
     return (*_EPOCH_HOOKS, *batch)
 
 
-def with_gate_callbacks(callbacks, gates: tuple, model) -> list | Any:
-    """The user's callbacks between an opening and a closing `GateReleasing`.
+def _open(gates: tuple) -> None:
+    for gate in reversed(gates):
+        gate.open()
 
-    A `CallbackList` is fit's own, passed to its validation (already bracketed),
-    or one the user built: its callbacks are bracketed in place."""
-    listed = (callbacks.callbacks if isinstance(callbacks, keras.callbacks.CallbackList)
-              else list(callbacks or []))
-    hooks = _hooks_for(listed)
-    pair = (GateReleasing(gates, True, hooks), GateReleasing(gates, False, hooks))
-    if isinstance(callbacks, keras.callbacks.CallbackList):
-        if not any(isinstance(c, GateReleasing) for c in callbacks.callbacks):
-            callbacks.callbacks[:0] = [pair[0]]
-            callbacks.callbacks.append(pair[1])
-            for callback in pair:
-                callback.set_model(model)
+
+def _close(gates: tuple) -> None:
+    for gate in gates:
+        gate.close()
+
+
+class GatedCallbackList(keras.callbacks.CallbackList):
+    """A `CallbackList` the user built, seen by Keras's loop through this, and left
+    as it was: never a callback added to it, nor its model or params set (stock
+    Keras sets neither on a list it is given).
+
+    Each hook goes to the user's list, with the gates open around it for the hooks
+    `GateReleasing` would take (the epoch hooks, and the batch hooks one of its
+    callbacks overrides when the call starts). `first` (callscope's own
+    `EpochStatistics`) take `on_epoch_begin`/`on_epoch_end` just before the user's
+    list, and add to a copy of the epoch logs that the list then receives. Any
+    other attribute is the user's list's."""
+
+    def __init__(self, user, gates: tuple, model, first: tuple = ()):
+        keras.callbacks.Callback.__init__(self)  # no callbacks of its own
+        self.user, self._gates, self._first = user, gates, tuple(first)
+        self._bracketed = frozenset(_hooks_for(list(user.callbacks)))
+        for callback in self._first:
+            callback.set_model(model)
+
+    def __getattr__(self, name):
+        if name.startswith("__") or name == "user":
+            raise AttributeError(name)
+        return getattr(self.user, name)
+
+    def _hook(self, name: str, *args, **kwargs) -> None:
+        if name not in self._bracketed:
+            return getattr(self.user, name)(*args, **kwargs)
+        _open(self._gates)
+        try:
+            getattr(self.user, name)(*args, **kwargs)
+        finally:
+            _close(self._gates)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        _open(self._gates)
+        try:
+            for callback in self._first:
+                callback.on_epoch_begin(epoch, logs)
+            self.user.on_epoch_begin(epoch, logs)
+        finally:
+            _close(self._gates)
+
+    def on_epoch_end(self, epoch, logs=None):
+        _open(self._gates)
+        try:
+            if self._first and logs is not None:
+                logs = dict(logs)  # Keras's own epoch logs stay as they were
+            for callback in self._first:
+                callback.on_epoch_end(epoch, logs)
+            self.user.on_epoch_end(epoch, logs)
+        finally:
+            _close(self._gates)
+
+    def set_model(self, model):  # Keras sets nothing on a list it is given
+        keras.callbacks.Callback.set_model(self, model)
+
+    def set_params(self, params):
+        keras.callbacks.Callback.set_params(self, params)
+
+
+def _delegating(name: str):
+    def hook(self, *args, **kwargs):
+        return self._hook(name, *args, **kwargs)
+
+    hook.__name__ = hook.__qualname__ = name
+    return hook
+
+
+for _name in (*_EPOCH_HOOKS, *_BATCH_HOOKS, "on_batch_begin", "on_batch_end"):
+    if _name not in ("on_epoch_begin", "on_epoch_end"):
+        setattr(GatedCallbackList, _name, _delegating(_name))
+
+
+def with_gate_callbacks(callbacks, gates: tuple, model, first: tuple = ()) -> list | Any:
+    """The user's callbacks (after callscope's own, `first`) between an opening and
+    a closing `GateReleasing`.
+
+    A `CallbackList` is fit's own, passed to its validation (already bracketed:
+    returned as it is), or one the user built: never changed, but wrapped in a
+    `GatedCallbackList`, made again for each call (a list may be reused across
+    calls and models, and gain callbacks in between)."""
+    if isinstance(callbacks, GatedCallbackList) or (
+            isinstance(callbacks, keras.callbacks.CallbackList)
+            and any(isinstance(c, GateReleasing) for c in callbacks.callbacks)):
         return callbacks
-    return [pair[0], *(callbacks or []), pair[1]]
+    if isinstance(callbacks, keras.callbacks.CallbackList):
+        return GatedCallbackList(callbacks, gates, model, first)
+    listed = [*first, *(callbacks or [])]
+    hooks = _hooks_for(listed)
+    return [GateReleasing(gates, True, hooks), *listed, GateReleasing(gates, False, hooks)]
