@@ -21,6 +21,7 @@ import itertools
 import threading
 
 import keras
+from keras.src.backend.common import global_state as _global_state
 from keras.src.backend.common import masking as _masking
 
 CHECKED_AGAINST = "3.15.1"
@@ -38,6 +39,7 @@ REQUIRED_ATTRIBUTES = (
     (keras.Model, "_flatten_layers"),  # layers/layer.py:1708
     (keras.layers.Layer, "_seed_generators"),  # instance attr, layer.py:393
     (keras.layers.Layer, "_remat_mode"),  # instance attr, ops/operation.py:34
+    (_global_state, "get_global_attribute"),  # backend/common/global_state.py
     (_masking, "get_keras_mask"),  # backend/common/masking.py:16
     (_masking, "set_keras_mask"),  # backend/common/masking.py:5
 ) + (
@@ -275,6 +277,14 @@ def compile_from_config(model, config, own_compile):
     model.compile(**config)
     if getattr(model, "optimizer", None) is not None and model.built:
         model.optimizer.build(model.trainable_variables)
+
+
+def passed_by_an_outer_layer(name: str) -> bool:
+    """Whether Keras's call context in progress holds a value for context
+    argument `name` (an enclosing layer's call passed it), without entering one
+    (keras 3.15.1: layers/layer.py:1691-1701, 1065-1086; `current_call_ctx`)."""
+    context = _global_state.get_global_attribute("current_call_ctx")
+    return context is not None and context.get_value(name) is not None
 
 
 # --------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from typing import TypeVar
 
 import keras
 
-from callscope import _keras_compat
+from callscope import _backend, _keras_compat, _scope
 from callscope._mixin import ContextMixin
 
 _Functional = _keras_compat.functional_class()
@@ -240,6 +240,26 @@ def context_args(*names: str):
         # (ops/operation.py), and getfullargspec ignores `__wrapped__`.
         __init__.__signature__ = inspect.signature(original_init)
         cls.__init__ = __init__
+        if not issubclass(cls, ContextMixin):  # (a callscope model resolves its own)
+            cls.__call__ = _checks_passed(cls.__call__)
         return cls
 
     return decorate
+
+
+def _checks_passed(original_call):
+    """A decorated layer's `__call__`: a name the caller's scope sets reaches it
+    from an enclosing callscope model, or the call raises (`_scope.check_passed`)."""
+    if getattr(original_call, "_checks_passed", False):  # decorated twice (a subclass)
+        return original_call
+
+    @functools.wraps(original_call)
+    def __call__(self, *args, **kwargs):
+        names = [n for n in type(self)._callscope_context_args if n not in kwargs]
+        if names and not _backend.is_symbolic(keras.tree.flatten(args)):
+            _scope.check_passed(self, names)
+        return original_call(self, *args, **kwargs)
+
+    __call__._checks_passed = True
+    return __call__
+

@@ -208,6 +208,32 @@ def check_unkeyed(reads, keyed) -> None:
             raise StrayValueError(STRAY_VALUE.format(name=name, value=values[name]))
 
 
+NOT_PASSED = (
+    "Context argument `{name}` is set in the caller's scope ({value!r}), but "
+    "`{layer}` (which declares it with `@cs.context_args`) is called without it: no "
+    "enclosing model passes it (a stock Keras model, such as `clone_model`'s copy "
+    "of a `cs.Sequential`, or a layer called on its own), so it would silently run "
+    "with its default. Fix: run it inside a callscope model that registers the name "
+    "(`model = cs.enable(model)` and `model.register_context_args({name!r})`), or "
+    "pass it to the call (`layer(x, {name}=...)`). Received: {name}={value!r}"
+)
+
+
+def check_passed(layer, names) -> None:
+    """Refuses a call of a `@cs.context_args` layer that no enclosing layer passes
+    `names` (Keras's call context lacks them) while the caller's scope sets them:
+    the layer would run with its default, silently."""
+    current = _FRAME.get()
+    if not current.values and not current.outside:
+        return
+    for name in names:
+        value = current.values.get(name)
+        if value is None:
+            value = current.outside.get(name)
+        if value is not None and not _keras_compat.passed_by_an_outer_layer(name):
+            raise StrayValueError(NOT_PASSED.format(name=name, value=value, layer=layer.name))
+
+
 def lookup(name: str, *, tracing: bool) -> Any:
     """The value of `name` in effect; raises where a trace would freeze it."""
     current = _FRAME.get()
