@@ -701,3 +701,220 @@ def test_a_patch_inside_a_torch_checkpoint_applies_to_its_recompute_too(how_run)
     assert how_run == "custom_loop" or min(moved) > 1e-4  # every weight was updated
     for a, b in zip(weights[None], weights["backend"]):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------------------
+# 6. Points whose value is not floating point (an argmax, a mask): no gradient.
+#    A glob leaves them out of `grad` (their other kinds record), alike on every
+#    backend; naming one exactly raises
+# --------------------------------------------------------------------------
+class _WithIds(keras.layers.Layer):
+    """A float element `h`, an int element `ids` and a sown bool `mask`."""
+
+    def call(self, x):
+        cs.sow(self, "mask", x > 0)
+        return {"h": x * 2.0, "ids": keras.ops.argmax(x, axis=-1)}
+
+
+class _IdsNet(cs.Model):
+    def __init__(self):
+        super().__init__(name="net")
+        self.a = _WithIds(name="a")
+        self.d = keras.layers.Dense(1, name="d")
+
+    def call(self, x):
+        return self.d(self.a(x)["h"])
+
+
+def _ids_net(run_eagerly=False):
+    keras.utils.set_random_seed(0)
+    model = _IdsNet()
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse", run_eagerly=run_eagerly)
+    model(X[:1])
+    return model
+
+
+def _ids_reference(model):
+    """d mse / d `net/a/h` and d `net/d` (the model's output), by hand (numpy)."""
+    w, b = _weights(model, "d")
+    out = (2.0 * X) @ w + b
+    d_out = 2 * (out - Y) / out.size
+    return {"net/a/h": d_out @ w.T, "net/d": d_out, "net": d_out}
+
+
+_FLOAT_KEYS = ["net/a/h:grad", "net/d:grad", "net:grad"]
+_ALL_OUTPUTS = ["net/a/h:output", "net/a/ids:output", "net/a/mask:output", "net/d:output",
+                "net:output"]
+
+
+@pytest.mark.parametrize("run_eagerly", [False, True])
+@pytest.mark.parametrize("method", METHODS)
+def test_a_glob_leaves_points_that_are_not_floating_point_out_of_grad(method, run_eagerly):
+    model = _ids_net(run_eagerly)
+    ref = _ids_reference(model)
+    with cs.capture(model, "*", kinds=("output", "grad")) as cap:
+        _run(model, method)
+    assert sorted(cap) == sorted([*_ALL_OUTPUTS, *_FLOAT_KEYS])  # no ids:grad, mask:grad
+    for key in _FLOAT_KEYS:
+        np.testing.assert_allclose(numpy(cap[key]), ref[key.partition(":")[0]],
+                                   rtol=1e-5, atol=1e-7)
+    np.testing.assert_array_equal(numpy(cap["net/a/ids:output"]), X.argmax(-1))
+    np.testing.assert_array_equal(numpy(cap["net/a/mask:output"]), X > 0)
+
+
+@pytest.mark.parametrize("method", ["fit", "evaluate"])
+def test_a_reduced_glob_gradient_capture_leaves_them_out_too(method):
+    model = _ids_net()
+    ref = _ids_reference(model)
+    with cs.capture(model, "*", kinds=("grad",), reduce=("rms", "max")) as cap:
+        _run(model, method)
+    assert sorted(cap) == sorted(f"{k}/{s}" for k in _FLOAT_KEYS for s in ("max", "rms"))
+    for key in _FLOAT_KEYS:
+        g = ref[key.partition(":")[0]]
+        np.testing.assert_allclose(numpy(cap[key + "/rms"]).reshape(-1)[0],
+                                   np.sqrt(np.mean(g ** 2)), rtol=1e-5)
+        np.testing.assert_allclose(numpy(cap[key + "/max"]).reshape(-1)[0], g.max(),
+                                   rtol=1e-5)
+
+
+def _ids_fn(model):
+    """`(fn, args)` for `cs.intermediate_grads`: mse of `model` on X, as `_mse_fn`."""
+    y, x = keras.ops.convert_to_tensor(Y), keras.ops.convert_to_tensor(X)
+    if BACKEND == "jax":
+        tv = [v.value for v in model.trainable_variables]
+        ntv = [v.value for v in model.non_trainable_variables]
+
+        def fn(tv, x):
+            y_pred, _ = model.stateless_call(tv, ntv, x)
+            return keras.ops.mean(keras.ops.square(y_pred - y))
+
+        return fn, (tv, x)
+    return (lambda x: keras.ops.mean(keras.ops.square(model(x) - y))), (x,)
+
+
+def test_intermediate_grads_with_a_glob_leaves_them_out_too():
+    model = _ids_net()
+    ref = _ids_reference(model)
+    fn, args = _ids_fn(model)
+    result = cs.intermediate_grads(model, fn, *args, select="*")
+    assert sorted(result.grads) == sorted(_FLOAT_KEYS)
+    assert sorted(result.outputs) == sorted(_ALL_OUTPUTS)
+    for key in _FLOAT_KEYS:
+        np.testing.assert_allclose(numpy(result.grads[key]), ref[key.partition(":")[0]],
+                                   rtol=1e-5, atol=1e-7)
+
+
+class _SowsIds(keras.layers.Layer):
+    """Sows its int element `ids` (one point with the element) and its float `h`."""
+
+    def call(self, x):
+        return {"h": x * 2.0, "ids": cs.sow(self, "ids", keras.ops.argmax(x, axis=-1))}
+
+
+class _SownIdsNet(_IdsNet):
+    def __init__(self):
+        super().__init__()
+        self.a = _SowsIds(name="a")
+
+
+@pytest.mark.parametrize("method", ["fit", "evaluate"])
+def test_a_sown_element_that_is_not_floating_point_takes_no_grad_of_the_layer(method):
+    """Selecting the layer selects its elements: the sown int one has no gradient,
+    so no conflict with the sown point's own (unselected) gradient either."""
+    keras.utils.set_random_seed(0)
+    model = _SownIdsNet()
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+    model(X[:1])
+    ref = _ids_reference(model)
+    with cs.capture(model, "net/a", kinds=("output", "grad")) as cap:
+        _run(model, method)
+    assert sorted(cap) == ["net/a/h:grad", "net/a/h:output", "net/a/ids:output"]
+    np.testing.assert_allclose(numpy(cap["net/a/h:grad"]), ref["net/a/h"], rtol=1e-5,
+                               atol=1e-7)
+    np.testing.assert_array_equal(numpy(cap["net/a/ids:output"]), X.argmax(-1))
+
+
+def _not_floating(point, dtype):
+    return (rf"d loss / d `{point}` is not defined: a gradient is taken only at a "
+            rf"floating-point value, and the value of `{point}` is {dtype}\. Take "
+            r"gradients at floating-point points only \(a glob such as `\*` leaves "
+            r"points whose values are not floating point out of `grad`, and records "
+            rf"their other kinds\), or capture `{point}` with kinds=\('output',\)\. "
+            rf"Received: select='{point}' with kinds including 'grad', at a value of "
+            rf"dtype {dtype}")
+
+
+@pytest.mark.parametrize("select, point, dtype", [
+    ("net/a/ids", "net/a/ids", "int(32|64)"),
+    ("net/a/mask", "net/a/mask", "bool"),
+    (["*d", "net/a/ids"], "net/a/ids", "int(32|64)"),
+])
+@pytest.mark.parametrize("run_eagerly", [False, True])
+@pytest.mark.parametrize("method", METHODS)
+def test_grad_of_a_point_named_exactly_that_is_not_floating_point_raises(
+        method, run_eagerly, select, point, dtype):
+    model = _ids_net(run_eagerly)
+    with pytest.raises(ValueError, match=_not_floating(point, dtype)):
+        with cs.capture(model, select, kinds=("output", "grad")):
+            _run(model, method)
+
+
+@pytest.mark.parametrize("point, dtype", [("net/a/ids", "int(32|64)"), ("net/a/mask", "bool")])
+def test_intermediate_grads_of_a_point_named_exactly_that_is_not_floating_point_raises(
+        point, dtype):
+    model = _ids_net()
+    fn, args = _ids_fn(model)
+    with pytest.raises(ValueError, match=_not_floating(point, dtype)):
+        cs.intermediate_grads(model, fn, *args, select=["*d", point])
+
+
+# --------------------------------------------------------------------------
+# 7. A point that matched but has none of the kinds asked for: said so, with the
+#    kinds it has (not "no point matched")
+# --------------------------------------------------------------------------
+class _SowingBlock(keras.layers.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(3)
+
+    def call(self, x):
+        return keras.ops.relu(cs.sow(self, "pre", self.dense(x)))
+
+
+def _no_kind(points, parts, kinds, select):
+    listed = ", ".join(f"'{p}'" for p in points)
+    return (
+        rf"^cs\.capture selected nothing: \[{listed}\] matched, but "
+        rf"{'it has no kind' if len(points) == 1 else 'none of them has a kind'} in "
+        rf"kinds=\({kinds}\): {parts}\. `input` is what a layer's call receives; `grad` "
+        r"\(d loss / d point, in fit, evaluate and the \*_on_batch methods\) is taken "
+        r"only where the value is floating point\. Ask for kinds the points have, or "
+        r"select points that have the kinds asked for\. Received: "
+        rf"select=\({select}\), kinds=\({kinds}\)$"
+    )
+
+
+def test_a_sown_point_asked_for_its_input_says_it_has_only_output():
+    model = cs.Sequential([keras.Input((4,)), _SowingBlock(name="b0")], name="seq")
+    with pytest.raises(ValueError, match=_no_kind(
+            ["seq/b0/pre"], r"`seq/b0/pre` is a sown value, which has only `output` "
+            r"\(and `grad`\)", "'input',", "'seq/b0/pre',")):
+        with cs.capture(model, "seq/b0/pre", kinds=("input",)):
+            model.predict(np.ones((2, 4), "float32"), verbose=0)
+
+
+def test_points_asked_for_kinds_they_lack_are_named_with_the_kinds_they_have():
+    model = _ids_net()
+    with pytest.raises(ValueError, match=_no_kind(
+            ["net/a/mask", "net/a/ids"],  # in call order: sown inside `a`'s call
+            r"`net/a/mask` is a sown value, which has only `output` \(and `grad`\); "
+            r"`net/a/ids` is an element of a layer's output, which has only `output` "
+            r"\(and `grad`\)", "'input',", "'net/a/ids', 'net/a/mask'")):
+        with cs.capture(model, ["net/a/ids", "net/a/mask"], kinds=("input",)):
+            model.predict(X, verbose=0)
+    # A glob that matches only points that are not floating point, for `grad`.
+    with pytest.raises(ValueError, match=_no_kind(
+            ["net/a/ids"], r"`net/a/ids` is an element of a layer's output, which has "
+            r"only `output` \(and `grad`\)", "'grad',", r"'net/a/id\*',")):
+        with cs.capture(model, "net/a/id*", kinds=("grad",)):
+            model.evaluate(X, Y, verbose=0)

@@ -224,6 +224,9 @@ class Capture(Mapping):
         elif wanted is None:
             hint = "no layer called `cs.sow` during the run"
             near = points[:8]
+        elif matched := [p for p in points if p in self.model._cs.seen  # ran
+                         and self.spec.selects(p, None, False)]:
+            return _no_kind(matched, self.model._cs.seen, wanted, self.spec.kinds)
         else:
             hint = f"no point matched {list(wanted)}"
             near = sorted({p for w in wanted
@@ -234,6 +237,38 @@ class Capture(Mapping):
             "`cs.points(model, x)` to list every point. Received: "
             f"select={wanted!r}"
         )
+
+
+# What each sort of point is (`_capturing._sorts`), and the kinds it has.
+_SORTS = {
+    "sown": ("a sown value", "only `output`"),
+    "element": ("an element of a layer's output", "only `output`"),
+    "layer": ("a layer's call", "`output` and `input`"),
+}
+
+
+def _no_kind(matched: list[str], seen: Mapping[str, str], wanted, kinds) -> str:
+    """The error for points that matched but have none of the kinds asked for."""
+    groups: dict[str, list[str]] = {}
+    for point in matched:
+        groups.setdefault(seen[point], []).append(point)
+    parts = []
+    for sort, points in groups.items():
+        what, has = _SORTS[sort]
+        one = len(points) == 1
+        more = "" if len(points) <= 8 else f" (and {len(points) - 8} more)"
+        parts.append(f"{', '.join(f'`{p}`' for p in points[:8])}{more} "
+                     f"{'is' if one else 'are'} {what}, which {'has' if one else 'have'} "
+                     f"{has} (and `grad`)")
+    return (
+        f"cs.capture selected nothing: {matched[:8]} matched, but "
+        f"{'it has no kind' if len(matched) == 1 else 'none of them has a kind'} in "
+        f"kinds={kinds!r}: {'; '.join(parts)}. `input` is what a layer's call "
+        "receives; `grad` (d loss / d point, in fit, evaluate and the *_on_batch "
+        "methods) is taken only where the value is floating point. Ask for kinds "
+        "the points have, or select points that have the kinds asked for. "
+        f"Received: select={wanted!r}, kinds={kinds!r}"
+    )
 
 
 def _write_json(path: str, value) -> None:

@@ -100,9 +100,7 @@ class CaptureMixin:
             if id(owner) not in found:
                 found[id(owner)] = loop_points(owner)
             if point in found[id(owner)]:
-                wanted = [point] if any(p == point for c in captures
-                                        if isinstance(c.spec.select, tuple)
-                                        for p in c.spec.select) else ()
+                wanted = [point] if any(c.spec.names(point) for c in captures) else ()
                 raise _record.LoopPointError(
                     _record.loop_message(point, found[id(owner)][point], wanted))
 
@@ -174,8 +172,7 @@ class CaptureMixin:
         # (By point, not by value: a compiled step after a graph break would
         # inspect the recorded tensors.)
         loops = collector.loops
-        _scope.join_after(_scope.Later(state.seen), dict.fromkeys(
-            entry[1] for entry in collector.tree if entry[1] not in loops))
+        _scope.join_after(_scope.Later(state.seen), _sorts(collector.tree, loops))
         _scope.join_after(_scope.Later(state.loops), collector.loops)
 
     def _cs_check_reached(self, run, hits: set) -> None:
@@ -204,6 +201,22 @@ class CaptureMixin:
             f"{near or known[:8]}. Use `cs.points(model, x)` to list them. "
             f"Received: patches={[p for _, p, _ in run.patches]}"
         )
+
+
+def _sorts(tree, loops) -> dict[str, str]:
+    """What each point of a trace's call tree is, for error messages (the kinds
+    it has): `layer` (a layer's call: `output` and `input`), `element` (one
+    tensor of a layer's tuple, list or dict output) or `sown` (a value only
+    sown: `output`). Points inside loops are left out."""
+    structured = {(id(layer), point) for _, point, layer, value, sown in tree
+                  if not sown and isinstance(value, list | tuple | dict)}
+    sorts: dict[str, str] = {}
+    for _, point, layer, _, sown in tree:
+        if point in loops or sorts.get(point, "sown") != "sown":
+            continue  # (a point sown and a call's output too: the call's)
+        element = (id(layer), point.rpartition("/")[0]) in structured
+        sorts[point] = "sown" if sown else "element" if element else "layer"
+    return sorts
 
 
 class _FirstBatch:

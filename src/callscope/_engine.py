@@ -63,7 +63,8 @@ class _State:
         self.lock = threading.RLock()  # registration only; never held across a call
         self.unbaked = False
         self.declared: frozenset | None = None  # names declared by sublayers
-        self.seen: dict[str, None] = {}  # points seen in traces, for error messages
+        # points seen in traces -> layer, element or sown, for error messages
+        self.seen: dict[str, str] = {}
         self.loops: dict[str, str] = {}  # points seen inside loops -> the loop's layer
         self.rows_offset: keras.Variable | None = None  # patches that take the batch
         # TF, torch: the steps' dynamic inputs (`_inputs.py`): (name, shape, dtype)

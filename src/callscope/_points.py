@@ -152,6 +152,13 @@ class Spec:
             return bool(self.select(point, layer))
         return any(pattern.match(point) is not None for pattern in self._patterns)
 
+    def names(self, point: str | None) -> bool:
+        """Does this spec name `point` exactly, rather than by a glob's pattern or a
+        callable? A point named so is asked for itself: where it cannot give what
+        is asked (it runs in a loop body; a gradient at a value that is not
+        floating point), that is an error, where a glob leaves it out."""
+        return isinstance(self.select, tuple) and point in self.select
+
     def given_range(self, kind: str) -> tuple[float, float] | None:
         for name, lo, hi in self.hist_range:
             if name in (kind, "*"):

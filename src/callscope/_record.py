@@ -232,8 +232,8 @@ class Collector:
     def check_loop_point(self, point: str, patches) -> None:
         """A point inside a loop: remembered; an exact selection or a patch raises."""
         enclosing = self.loops.setdefault(point, self.enclosing())
-        named = [s for spec in self.specs if isinstance(spec.select, tuple)
-                 for s in spec.select if s == self.relative(point, spec.owner)]
+        named = [p for spec in self.specs
+                 for p in [self.relative(point, spec.owner)] if spec.names(p)]
         if named or (patches is not None and patches.find(point, self) is not None):
             raise LoopPointError(loop_message(point, enclosing, named))
 
@@ -246,7 +246,8 @@ class Collector:
         point when `point` is one element of its output: selecting either selects
         the element. For a `grad` spec the value is also a gradient source: with a
         perturbation active (JAX), the returned value is `value + perturbation`, so
-        the gradient with respect to the perturbation is d loss / d value. The
+        the gradient with respect to the perturbation is d loss / d value. A value
+        that is not floating point is no gradient source (`_not_floating`). The
         specs numbered in `skip` recorded it already.
         """
         kept = None  # what the records keep: `value` as it is now (`as_recorded`)
@@ -260,6 +261,11 @@ class Collector:
                     if version is not None:
                         self.versions[id(kept)] = (point, kept, version)
                 self.records.setdefault(f"{index}|{named}|{kind}", []).append(kept)
+            if grads and not _floating(value):
+                # No gradient there: a glob leaves the point out of `grad`.
+                if self.specs[index].names(named):
+                    raise ValueError(_not_floating(named, value))
+                continue
             if grads:
                 sources = self.grad_sources.setdefault(f"{index}|{named}|grad", [])
                 name = f"{index}|{named}|{len(sources)}"
@@ -839,6 +845,25 @@ def _is_tensor(value) -> bool:
         value, np.generic)
 
 
+def _floating(value) -> bool:
+    """Is `value` floating point, the only kind of value a gradient is taken at?"""
+    return keras.backend.is_float_dtype(value.dtype)
+
+
+def _not_floating(point: str, value) -> str:
+    """The error for a gradient asked of a point by its exact name, at a value that
+    is not floating point (an argmax, a mask, token ids): a glob leaves it out."""
+    dtype = keras.backend.standardize_dtype(value.dtype)
+    return (
+        f"d loss / d `{point}` is not defined: a gradient is taken only at a "
+        f"floating-point value, and the value of `{point}` is {dtype}. Take "
+        "gradients at floating-point points only (a glob such as `*` leaves points "
+        "whose values are not floating point out of `grad`, and records their other "
+        f"kinds), or capture `{point}` with kinds=('output',). Received: "
+        f"select={point!r} with kinds including 'grad', at a value of dtype {dtype}"
+    )
+
+
 def _masked_like(new, old, fresh: bool):
     """`new`, which goes on in the model in place of `old` (a patch's value, or
     the tensor a gradient is taken at), with `old`'s Keras mask where it has
@@ -938,7 +963,7 @@ def _record_outputs(collector, patches, point, layer, outputs, depth):
                 if collector.first_as_one(child, value):
                     taken = collector.selecting(child, layer, sown=True)
                     for found in collector._selection(child, layer, "output", False, point):
-                        if found[3] and found[0] not in taken:
+                        if found[3] and found[0] not in taken and _floating(value):
                             raise ValueError(_sown_element_grad(child, point))
                     values[i] = _masked_like(
                         collector.record(child, layer, "output", value, False, parent=point,
