@@ -207,3 +207,19 @@ def test_log_true_with_a_users_callback_list(capsys):
     assert all(key in logs for logs in logged["CallbackList"][1])
     _assert_close(logged["CallbackList"], logged["list"])
     assert capsys.readouterr().out == ""  # the user's list has no progress bar
+
+
+def test_positional_arguments_through_an_override_that_passes_them_on():
+    # `def fit(self, *args, **kwargs): return super().fit(*args, **kwargs)` (as
+    # keras_hub writes it) binds as Keras's own fit: callbacks by position worked
+    # for neither before.
+    class PassesOn(keras.Sequential):
+        def fit(self, *args, **kwargs):
+            return super().fit(*args, **kwargs)
+
+    stock, model = _model(keras.Sequential), cs.enable(_model(PassesOn))
+    want = stock.fit(X, Y, 4, 2, 0, [Recorder()], shuffle=False).history
+    recorder = Recorder()
+    got = model.fit(X, Y, 4, 2, 0, [recorder], shuffle=False).history
+    np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-6)
+    assert recorder.hooks == ["train"] and len(recorder.epochs) == 2

@@ -106,3 +106,14 @@ def test_dynamic_variables_stay_out_of_saved_weights(tmp_path):
     model.save(path)
     loaded = keras.saving.load_model(path, custom_objects={"Divide": Divide})
     np.testing.assert_allclose(loaded.predict(X, verbose=0), model.predict(X, verbose=0))
+
+
+def test_a_dynamic_int_out_of_range_of_the_same_width_is_refused():
+    # int8 -1 held as uint8 came back as -1 through a cast and back, so it ran as 255.
+    model = _model([])
+    base = model.predict(X, verbose=0)
+    model.predict(X, temperature=np.uint8(3), verbose=0)
+    with pytest.raises(ValueError, match=r"does not fit in uint8.*Received: temperature=-1$"):
+        model.predict(X, temperature=np.int8(-1), verbose=0)
+    np.testing.assert_allclose(model.predict(X, temperature=np.int8(5), verbose=0), base / 5,
+                               rtol=1e-6)

@@ -423,9 +423,16 @@ def _keras_signature(cls, method) -> inspect.Signature:
     """The signature of Keras's own `method` (the one our wrapper calls), per class."""
     key = (cls, method)
     if key not in _SIGNATURE_CACHE:
-        base = next(c for c in cls.__mro__ if not issubclass(c, Engine)
-                    and not c.__module__.startswith("callscope."))
-        _SIGNATURE_CACHE[key] = inspect.signature(getattr(base, method))
+        # The first class's own method that names its parameters: an override
+        # `fit(self, *args, **kwargs)` passing them on binds as Keras's does.
+        for base in cls.__mro__:
+            if issubclass(base, Engine) or base.__module__.startswith("callscope.") or (
+                    method not in vars(base)):
+                continue
+            signature = inspect.signature(getattr(base, method))
+            if not any(p.kind is p.VAR_POSITIONAL for p in signature.parameters.values()):
+                break
+        _SIGNATURE_CACHE[key] = signature
     return _SIGNATURE_CACHE[key]
 
 
@@ -473,7 +480,9 @@ def _held_as(name: str, array: np.ndarray, dtype: np.dtype) -> np.ndarray:
         error, problem = TypeError, f"a {array.dtype} value cannot be held as {dtype}"
         fix = ("Pass values of that kind; to hold floats, make the first value a float "
                "(1.0, not 1)")
-    elif dtype.kind in "iu" and not np.array_equal(held.astype(array.dtype), array):
+    elif dtype.kind in "iu" and array.size and (
+            int(array.min()) < np.iinfo(dtype).min or int(array.max()) > np.iinfo(dtype).max):
+        # (By range, not by a round trip: int8 -1 held as uint8 comes back as -1.)
         error, problem = ValueError, f"the value does not fit in {dtype}"
         fix = f"Pass values within {dtype}'s range, or make the first value a float"
     elif dtype.kind == "f" and not np.array_equal(np.isfinite(held), np.isfinite(array)):

@@ -26,8 +26,8 @@ from typing import TypeVar
 
 import keras
 
-from callscope import _backend, _keras_compat, _scope
-from callscope._mixin import ContextMixin
+from callscope import _backend, _keras_compat, _keys, _scope
+from callscope._mixin import ContextMixin, _delivered
 
 _Functional = _keras_compat.functional_class()
 T = TypeVar("T")
@@ -249,15 +249,18 @@ def context_args(*names: str):
 
 def _checks_passed(original_call):
     """A decorated layer's `__call__`: a name the caller's scope sets reaches it
-    from an enclosing callscope model, or the call raises (`_scope.check_passed`)."""
+    from an enclosing callscope model, or the call raises (`_scope.unpassed_values`)."""
     if getattr(original_call, "_checks_passed", False):  # decorated twice (a subclass)
         return original_call
 
     @functools.wraps(original_call)
     def __call__(self, *args, **kwargs):
-        names = [n for n in type(self)._callscope_context_args if n not in kwargs]
-        if names and not _backend.is_symbolic(keras.tree.flatten(args)):
-            _scope.check_passed(self, names)
+        if _scope.has_values():
+            names = [n for n in type(self)._callscope_context_args if n not in kwargs]
+            if names and not _backend.is_symbolic(keras.tree.flatten(args)):
+                for name, value in _scope.unpassed_values(self, names).items():
+                    static = isinstance(value, (*_keys.STATIC_TYPES, tuple))
+                    kwargs[name] = _delivered(value, dynamic=not static)
         return original_call(self, *args, **kwargs)
 
     __call__._checks_passed = True

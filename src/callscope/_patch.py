@@ -110,7 +110,7 @@ def _check_kind(point: str, given, wanted) -> None:
         f"The array patch of `{point}` holds {given} values, and the point's value is "
         f"{wanted}: the cast would change them ({example}). Pass an array of the "
         f"point's kind (e.g. `np.round(a).astype({wanted!r})`). Received: an array of "
-        f"dtype {given} for a {wanted} point"
+        f"dtype {given} for a point of dtype {wanted}"
     )
 
 

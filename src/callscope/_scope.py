@@ -212,26 +212,41 @@ NOT_PASSED = (
     "Context argument `{name}` is set in the caller's scope ({value!r}), but "
     "`{layer}` (which declares it with `@cs.context_args`) is called without it: no "
     "enclosing model passes it (a stock Keras model, such as `clone_model`'s copy "
-    "of a `cs.Sequential`, or a layer called on its own), so it would silently run "
-    "with its default. Fix: run it inside a callscope model that registers the name "
-    "(`model = cs.enable(model)` and `model.register_context_args({name!r})`), or "
-    "pass it to the call (`layer(x, {name}=...)`). Received: {name}={value!r}"
+    "of a `cs.Sequential`; a layer called on its own; or a checkpoint, `keras.remat`, "
+    "recomputing it in a backward pass after the model's call returned), so it would "
+    "silently run with its default. Fix: run it inside a callscope model that "
+    "registers the name (`model = cs.enable(model)` and "
+    "`model.register_context_args({name!r})`), through `fit`/`train_on_batch` for a "
+    "recompute, or pass it to the call (`layer(x, {name}=...)`). Received: "
+    "{name}={value!r}"
 )
 
 
-def check_passed(layer, names) -> None:
-    """Refuses a call of a `@cs.context_args` layer that no enclosing layer passes
-    `names` (Keras's call context lacks them) while the caller's scope sets them:
-    the layer would run with its default, silently."""
+def has_values() -> bool:
+    """Whether any context value is set where this code runs (a cheap first test)."""
     current = _FRAME.get()
-    if not current.values and not current.outside:
-        return
+    return bool(current.values or current.outside)
+
+
+def unpassed_values(layer, names) -> dict[str, Any]:
+    """For a call of a `@cs.context_args` layer that no enclosing layer passes
+    `names` (Keras's call context lacks them): the values a callscope model's
+    call or step in progress keys on, which the layer must get (a checkpoint's
+    recompute, or a custom step calling the layer, runs outside the model's call
+    context). A value only the caller's scope sets raises: the layer would run
+    with its default, silently."""
+    current = _FRAME.get()
+    found = {}
     for name in names:
         value = current.values.get(name)
         if value is None:
             value = current.outside.get(name)
-        if value is not None and not _keras_compat.passed_by_an_outer_layer(name):
+        if value is None or _keras_compat.passed_by_an_outer_layer(name):
+            continue
+        if name not in current.keyed or current.values.get(name) is None:
             raise StrayValueError(NOT_PASSED.format(name=name, value=value, layer=layer.name))
+        found[name] = value
+    return found
 
 
 def lookup(name: str, *, tracing: bool) -> Any:
