@@ -777,25 +777,10 @@ def test_a_reduced_glob_gradient_capture_leaves_them_out_too(method):
                                    rtol=1e-5)
 
 
-def _ids_fn(model):
-    """`(fn, args)` for `cs.intermediate_grads`: mse of `model` on X, as `_mse_fn`."""
-    y, x = keras.ops.convert_to_tensor(Y), keras.ops.convert_to_tensor(X)
-    if BACKEND == "jax":
-        tv = [v.value for v in model.trainable_variables]
-        ntv = [v.value for v in model.non_trainable_variables]
-
-        def fn(tv, x):
-            y_pred, _ = model.stateless_call(tv, ntv, x)
-            return keras.ops.mean(keras.ops.square(y_pred - y))
-
-        return fn, (tv, x)
-    return (lambda x: keras.ops.mean(keras.ops.square(model(x) - y))), (x,)
-
-
 def test_intermediate_grads_with_a_glob_leaves_them_out_too():
     model = _ids_net()
     ref = _ids_reference(model)
-    fn, args = _ids_fn(model)
+    fn, args = _mse_fn(model)
     result = cs.intermediate_grads(model, fn, *args, select="*")
     assert sorted(result.grads) == sorted(_FLOAT_KEYS)
     assert sorted(result.outputs) == sorted(_ALL_OUTPUTS)
@@ -863,7 +848,7 @@ def test_grad_of_a_point_named_exactly_that_is_not_floating_point_raises(
 def test_intermediate_grads_of_a_point_named_exactly_that_is_not_floating_point_raises(
         point, dtype):
     model = _ids_net()
-    fn, args = _ids_fn(model)
+    fn, args = _mse_fn(model)
     with pytest.raises(ValueError, match=_not_floating(point, dtype)):
         cs.intermediate_grads(model, fn, *args, select=["*d", point])
 
