@@ -267,6 +267,26 @@ class SharedState:
         self._parked.pop(thread, None)
 
 
+def _open(gates: tuple) -> None:
+    for gate in reversed(gates):
+        gate.open()
+
+
+def _close(gates: tuple) -> None:
+    for gate in gates:
+        gate.close()
+
+
+@contextlib.contextmanager
+def _gates_open(gates: tuple):
+    """The gates open for a callback's hook, closed again even if it raises."""
+    _open(gates)
+    try:
+        yield
+    finally:
+        _close(gates)
+
+
 class GateReleasing(keras.callbacks.Callback):
     """Opens (first in the list) or closes (last) the gates around callbacks.
 
@@ -281,12 +301,7 @@ class GateReleasing(keras.callbacks.Callback):
             setattr(self, hook, self._toggle)
 
     def _toggle(self, *args, **kwargs):
-        if self._opens:
-            for gate in reversed(self._gates):
-                gate.open()
-        else:
-            for gate in self._gates:
-                gate.close()
+        (_open if self._opens else _close)(self._gates)
 
 
 _EPOCH_HOOKS = tuple(f"on_{stage}_{when}" for stage in ("train", "test", "predict", "epoch")
@@ -308,16 +323,6 @@ def _hooks_for(callbacks) -> tuple:
     batch = [hook for hook, names in _BATCH_HOOKS.items()
              if any(overrides(c, n) for c in callbacks for n in names)]
     return (*_EPOCH_HOOKS, *batch)
-
-
-def _open(gates: tuple) -> None:
-    for gate in reversed(gates):
-        gate.open()
-
-
-def _close(gates: tuple) -> None:
-    for gate in gates:
-        gate.close()
 
 
 class GatedCallbackList(keras.callbacks.CallbackList):
@@ -347,31 +352,22 @@ class GatedCallbackList(keras.callbacks.CallbackList):
     def _hook(self, name: str, *args, **kwargs) -> None:
         if name not in self._bracketed:
             return getattr(self.user, name)(*args, **kwargs)
-        _open(self._gates)
-        try:
+        with _gates_open(self._gates):
             getattr(self.user, name)(*args, **kwargs)
-        finally:
-            _close(self._gates)
 
     def on_epoch_begin(self, epoch, logs=None):
-        _open(self._gates)
-        try:
+        with _gates_open(self._gates):
             for callback in self._first:
                 callback.on_epoch_begin(epoch, logs)
             self.user.on_epoch_begin(epoch, logs)
-        finally:
-            _close(self._gates)
 
     def on_epoch_end(self, epoch, logs=None):
-        _open(self._gates)
-        try:
+        with _gates_open(self._gates):
             if self._first and logs is not None:
                 logs = dict(logs)  # Keras's own epoch logs stay as they were
             for callback in self._first:
                 callback.on_epoch_end(epoch, logs)
             self.user.on_epoch_end(epoch, logs)
-        finally:
-            _close(self._gates)
 
     def set_model(self, model):  # Keras sets nothing on a list it is given
         keras.callbacks.Callback.set_model(self, model)
