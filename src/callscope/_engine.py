@@ -32,7 +32,7 @@ from typing import Any
 import keras
 import numpy as np
 
-from callscope import _keras_compat, _keys, _patch, _record, _scope, _sinks, _steps
+from callscope import _inputs, _keras_compat, _keys, _patch, _record, _scope, _sinks, _steps
 from callscope._capturing import CAPTURE, PATCH, CaptureMixin, first_x
 from callscope._functions import (
     PerKeyFunction,
@@ -475,8 +475,7 @@ def _held_as(name: str, array: np.ndarray, dtype: np.dtype) -> np.ndarray:
     a number held as a bool, an int out of range, a finite value that overflows."""
     with np.errstate(over="ignore", invalid="ignore"):  # told below, in words
         held = array.astype(dtype)
-    kinds = {"b": "b", "i": "biu", "u": "biu", "f": "biuf"}.get(dtype.kind, "")
-    if array.dtype.kind not in kinds:
+    if not _inputs.may_hold(dtype, array.dtype):
         error, problem = TypeError, f"a {array.dtype} value cannot be held as {dtype}"
         fix = ("Pass values of that kind; to hold floats, make the first value a float "
                "(1.0, not 1)")

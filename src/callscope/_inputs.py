@@ -28,6 +28,25 @@ DATA = "__callscope_data__"
 _JAX = keras.backend.backend() == "jax"
 
 
+def kind(dtype) -> str | None:
+    """"bool", "int" or "float" for a numpy, Keras or backend dtype; None for others."""
+    try:
+        name = keras.backend.standardize_dtype(dtype)
+    except ValueError:  # strings, objects
+        return None
+    if name == "bool":
+        return "bool"
+    return "int" if "int" in name else "float" if "float" in name else None
+
+
+def may_hold(wanted, given) -> bool:
+    """Whether a `given`-dtype value cast to `wanted` keeps its value up to rounding:
+    bools into any kind, ints into ints and floats, floats only into floats
+    (2.7 -> 2 and 2 -> True would change it). Complex and other kinds never."""
+    held = {"bool": ("bool",), "int": ("bool", "int"), "float": ("bool", "int", "float")}
+    return kind(given) in held.get(kind(wanted), ())
+
+
 def patch_name(owner: int, point: str, value: str) -> str:
     return f"patch|{owner}|{point}|{value}"
 

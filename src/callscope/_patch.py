@@ -33,7 +33,7 @@ import keras
 import numpy as np
 from keras import ops
 
-from callscope import _scope
+from callscope import _inputs, _scope
 
 
 class Shape(NamedTuple):
@@ -93,19 +93,13 @@ class ArrayPatch(DynamicPatch):
         return ops.cast(ops.take(array, rows, axis=0), value.dtype)
 
 
-def _kind(dtype) -> str:
-    dtype = keras.backend.standardize_dtype(dtype)
-    return "bool" if dtype == "bool" else "int" if "int" in dtype else "float"
-
-
 def _check_kind(point: str, given, wanted) -> None:
     """An array patch is cast to the point's dtype: refused where the cast would
     change values beyond rounding (floats to ints truncate, numbers to bools)."""
-    held = {"bool": ("bool",), "int": ("bool", "int"), "float": ("bool", "int", "float")}
-    if _kind(given) in held[_kind(wanted)]:
+    if _inputs.may_hold(wanted, given):
         return
     given, wanted = (keras.backend.standardize_dtype(d) for d in (given, wanted))
-    example = "2.7 -> 2" if _kind(wanted) == "int" else "2 -> True"
+    example = "2.7 -> 2" if _inputs.kind(wanted) == "int" else "2 -> True"
     raise TypeError(
         f"The array patch of `{point}` holds {given} values, and the point's value is "
         f"{wanted}: the cast would change them ({example}). Pass an array of the "
