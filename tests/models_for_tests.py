@@ -84,3 +84,16 @@ def make_models(seen):
     enabled = cs.enable(stock)
     enabled.register_context_args("debugging")
     return {"subclassed": sub, "sequential": seq, "functional": fun, "enabled": enabled}
+
+
+@cs.context_args("debugging")
+class HalvesWhenDebugging(layers.Layer):
+    """A Dense(3) whose output is halved when `debugging` is true."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = layers.Dense(3)
+
+    def call(self, x, debugging=None):
+        h = self.dense(x)
+        return h * 0.5 if debugging else h

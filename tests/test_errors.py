@@ -4,6 +4,7 @@ import keras
 import numpy as np
 import pytest
 from conftest import numpy
+from models_for_tests import HalvesWhenDebugging
 
 import callscope as cs
 
@@ -251,22 +252,11 @@ def test_only_the_layers_keras_rematerializes_are_refused():
             np.testing.assert_array_equal(cap[key], expected[key], err_msg=str(scope))
 
 
-@cs.context_args("debugging")
-class _Zeroes(keras.layers.Layer):
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.dense = keras.layers.Dense(3)
-
-    def call(self, x, debugging=None):
-        h = self.dense(x)
-        return h * 0.0 if debugging else h
-
-
 def test_a_declared_layer_that_no_model_passes_a_scope_value_raises():
     # A stock model (clone_model's copy of a cs.Sequential) passes nothing: the
     # layer ran with its default under the scope, silently, in predict and fit.
     x = np.ones((2, 4), "float32")
-    model = cs.Sequential([keras.Input((4,)), _Zeroes(name="b0")], name="seq")
+    model = cs.Sequential([keras.Input((4,)), HalvesWhenDebugging(name="b0")], name="seq")
     model.register_context_args("debugging")
 
     def clone():  # a fresh one per raise: stock JAX loops leave their weights out on one
@@ -275,12 +265,13 @@ def test_a_declared_layer_that_no_model_passes_a_scope_value_raises():
         copy.compile(optimizer="sgd", loss="mse")
         return copy
 
-    unregistered = cs.Sequential([keras.Input((4,)), _Zeroes(name="b0")], name="other")
+    unregistered = cs.Sequential([keras.Input((4,)), HalvesWhenDebugging(name="b0")], name="other")
     unregistered.compile(optimizer="sgd", loss="mse")
     message = (r"`debugging` is set in the caller's scope \(True\), but `b0` \(which declares "
                r"it with `@cs.context_args`\) is called without it.*Received: debugging=True")
+    plain = model.predict(x, verbose=0)
     with cs.context(debugging=True):
-        np.testing.assert_array_equal(model.predict(x, verbose=0), 0.0)
+        np.testing.assert_allclose(model.predict(x, verbose=0), plain * 0.5, rtol=1e-6)
         for call in (lambda c: c.predict(x, verbose=0), lambda c: c(x),
                      lambda c: c.fit(x, np.zeros((2, 3)), verbose=0),
                      lambda c: c.get_layer("b0")(x)):
@@ -288,25 +279,15 @@ def test_a_declared_layer_that_no_model_passes_a_scope_value_raises():
                 call(clone())
         with pytest.raises(RuntimeError, match="`debugging`"):
             unregistered.predict(x, verbose=0)
-        np.testing.assert_array_equal(numpy(clone().get_layer("b0")(x, debugging=True)), 0.0)
-    np.testing.assert_allclose(clone().predict(x, verbose=0), model.predict(x, verbose=0))
-
-
-@cs.context_args("debugging")
-class _Doubles(keras.layers.Layer):
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.dense = keras.layers.Dense(3)
-
-    def call(self, x, debugging=None):
-        h = self.dense(x)
-        return h * 2.0 if debugging else h
+        np.testing.assert_allclose(numpy(clone().get_layer("b0")(x, debugging=True)),
+                                   plain * 0.5, rtol=1e-6)
+    np.testing.assert_allclose(clone().predict(x, verbose=0), plain)
 
 
 class _RematWrapper(keras.layers.Layer):
     def __init__(self, remat, **kwargs):
         super().__init__(**kwargs)
-        self.b = _Doubles(name="blk")
+        self.b = HalvesWhenDebugging(name="blk")
         self.remat = remat
 
     def call(self, x):

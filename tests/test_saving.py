@@ -12,7 +12,7 @@ import keras
 import numpy as np
 import pytest
 from conftest import BACKEND
-from models_for_tests import Outer
+from models_for_tests import HalvesWhenDebugging, Outer
 
 import callscope as cs
 
@@ -298,21 +298,10 @@ def test_files_saved_by_earlier_versions_still_load(tmp_path, kind):
     assert _header(tmp_path / "again.keras")["module"].startswith("keras")
 
 
-@cs.context_args("debugging")
-class _Halves(keras.layers.Layer):
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.dense = keras.layers.Dense(3)
-
-    def call(self, x, debugging=None):
-        h = self.dense(x)
-        return h * 0.5 if debugging else h
-
-
 def test_export_serves_the_default_and_an_endpoint_serves_a_value(tmp_path):
     # `model.export` traces in a tf.function of its own: a scope value raises
     # there, and an endpoint that passes the value exports it.
-    model = cs.Sequential([keras.Input((4,)), _Halves(name="b0")], name="seq")
+    model = cs.Sequential([keras.Input((4,)), HalvesWhenDebugging(name="b0")], name="seq")
     model.register_context_args("debugging")
     x = np.random.default_rng(0).normal(size=(2, 4)).astype("float32")
     plain = model.predict(x, verbose=0)
