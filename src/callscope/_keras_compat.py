@@ -279,12 +279,26 @@ def compile_from_config(model, config, own_compile):
         model.optimizer.build(model.trainable_variables)
 
 
-def passed_by_an_outer_layer(name: str) -> bool:
-    """Whether Keras's call context in progress holds a value for context
-    argument `name` (an enclosing layer's call passed it), without entering one
-    (keras 3.15.1: layers/layer.py:1691-1701, 1065-1086; `current_call_ctx`)."""
+def call_context_value(name: str):
+    """The value Keras's call context in progress holds for context argument
+    `name` (what an enclosing layer's call passed, and `Layer.__call__` gives a
+    layer that registered the name), or None; enters no context (keras 3.15.1:
+    layers/layer.py:1691-1701, 1065-1086; `current_call_ctx`)."""
     context = _global_state.get_global_attribute("current_call_ctx")
-    return context is not None and context.get_value(name) is not None
+    return None if context is None else context.get_value(name)
+
+
+def in_symbolic_scope() -> bool:
+    """Whether Keras runs a layer's `call` only for its output's shape: its
+    `compute_output_spec` runs `call` on placeholders (JAX tracers, TF graph or
+    torch meta tensors) inside a `keras.SymbolicScope` (keras 3.15.1:
+    backend/common/symbolic_scope.py:18; backend/{jax,tensorflow,torch}/core.py)."""
+    return _global_state.get_global_attribute("symbolic_scope") is not None
+
+
+def passed_by_an_outer_layer(name: str) -> bool:
+    """Whether Keras's call context in progress holds a value for `name`."""
+    return call_context_value(name) is not None
 
 
 # --------------------------------------------------------------------------

@@ -235,6 +235,7 @@ def context_args(*names: str):
                 self.register_context_args(*declared)
             else:
                 _keras_compat.register_call_context_args(self, declared)
+                _fills_passed(type(self))  # (a subclass's own `call`, once per class)
 
         # Keras reads the constructor's argspec to build `get_config`
         # (ops/operation.py), and getfullargspec ignores `__wrapped__`.
@@ -242,6 +243,7 @@ def context_args(*names: str):
         cls.__init__ = __init__
         if not issubclass(cls, ContextMixin):  # (a callscope model resolves its own)
             cls.__call__ = _checks_passed(cls.__call__)
+            _fills_passed(cls)
         return cls
 
     return decorate
@@ -257,12 +259,57 @@ def _checks_passed(original_call):
     def __call__(self, *args, **kwargs):
         if _scope.has_values():
             names = [n for n in type(self)._callscope_context_args if n not in kwargs]
-            if names and not _backend.is_symbolic(keras.tree.flatten(args)):
-                for name, value in _scope.unpassed_values(self, names).items():
-                    static = isinstance(value, (*_keys.STATIC_TYPES, tuple))
-                    kwargs[name] = _delivered(value, dynamic=not static)
+            _add_keyed_values(self, names, args, kwargs)
         return original_call(self, *args, **kwargs)
 
     __call__._checks_passed = True
     return __call__
 
+
+def _fills_passed(cls) -> None:
+    """Wraps `cls.call` so that a declared name a direct call of it lacks gets the
+    value `Layer.__call__` would have given. `keras.layers.TimeDistributed` calls
+    its inner layer's `call`, not `__call__` (keras 3.15.1:
+    layers/rnn/time_distributed.py:126), as does `Layer.stateless_call`: the layer
+    ran with its default, silently. The enclosing model's value is still in Keras's
+    call context (or, for a checkpoint's recompute, the frame the model's step
+    keys on), so it costs no compiled function; a name Keras passed (in `kwargs`,
+    or positionally) is left alone. With no value set, a call costs one lookup."""
+    original = cls.call
+    if getattr(original, "_fills_passed", False):
+        return
+    parameters = list(inspect.signature(original).parameters.values())[1:]  # (no self)
+    # name -> how many positional arguments pass it (never, for a keyword-only one)
+    places = {p.name: i if p.kind is p.POSITIONAL_OR_KEYWORD else float("inf")
+              for i, p in enumerate(parameters)
+              if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+
+    @functools.wraps(original)
+    def call(self, *args, **kwargs):
+        if _scope.has_values():  # (a callscope model's call or step sets its names)
+            missing = []
+            for name in type(self)._callscope_context_args:
+                if name in kwargs or places.get(name, -1) < len(args):
+                    continue
+                value = _keras_compat.call_context_value(name)
+                if value is None:
+                    missing.append(name)
+                else:
+                    kwargs[name] = value
+            _add_keyed_values(self, missing, args, kwargs)
+        return original(self, *args, **kwargs)
+
+    call._fills_passed = True
+    cls.call = call
+
+
+def _add_keyed_values(layer, names, args, kwargs) -> None:
+    """Adds to `kwargs` the values of `names` that no enclosing layer passed but a
+    callscope model's call or step keys on (a checkpoint's recompute, a custom step
+    calling the layer); raises where only the caller's scope sets one. A call for
+    the output's shape only (a model's build, even under a scope) needs none."""
+    if names and not _keras_compat.in_symbolic_scope() and (
+            not _backend.is_symbolic(keras.tree.flatten(args))):
+        for name, value in _scope.unpassed_values(layer, names).items():
+            static = isinstance(value, (*_keys.STATIC_TYPES, tuple))
+            kwargs[name] = _delivered(value, dynamic=not static)
