@@ -220,3 +220,63 @@ def test_a_mask_on_a_call_output_is_kept_by_layer_call():
     out = Passes()(x)
     assert keras.ops.convert_to_numpy(_keras_compat.keras_mask(out)).tolist() == [True, False]
     assert _keras_compat.keras_mask(keras.ops.ones((2,))) is None
+
+
+def test_the_call_context_and_shape_only_calls_are_seen_where_a_call_runs():
+    # `_model._fills_passed` relies on both: a layer whose `call` a wrapper runs
+    # directly (TimeDistributed) still sees the enclosing layer's call context, and
+    # a call run only for its output's shape runs in Keras's symbolic scope.
+    seen = []
+
+    class Probe(keras.layers.Layer):
+        def call(self, x):
+            seen.append((_keras_compat.call_context_value("callscope_probe"),
+                         _keras_compat.in_symbolic_scope()))
+            return x
+
+    class Outer(keras.layers.Layer):
+        def __init__(self):
+            super().__init__()
+            _keras_compat.register_call_context_args(self, ("callscope_probe",))
+            self.wrapped = keras.layers.TimeDistributed(Probe())
+
+        def call(self, x, callscope_probe=None):
+            return self.wrapped(x)
+
+    Outer()(keras.ops.ones((1, 2, 3)), callscope_probe="here")
+    Probe().compute_output_spec(keras.KerasTensor((1, 3)))
+    # (Building TimeDistributed runs shape-only calls first; then one per time step.)
+    assert [s for s in seen if not s[1]] == [("here", False)] * 2, seen
+    assert seen[-1] == (None, True), seen
+    assert _keras_compat.call_context_value("callscope_probe") is None
+    assert not _keras_compat.in_symbolic_scope()
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="TF's XLA context")
+def test_tf_xla_context_is_seen_where_a_step_compiles_with_xla():
+    # `_reduce.partials` reads a bfloat16 or float16 value from its bits there
+    # only (XLA drops its rounding; without XLA that would only cost).
+    import tensorflow as tf
+
+    seen = []
+
+    class Probe(keras.layers.Layer):
+        def call(self, x):
+            seen.append(_keras_compat.in_tf_xla_context())
+            return x
+
+    def probe(x):
+        return Probe()(x)
+
+    x = tf.ones((2, 3))
+    tf.function(probe, jit_compile=True)(x)
+    tf.function(probe)(x)
+    tf.function(lambda t: tf.function(probe, jit_compile=True)(t))(x)  # nested, as Keras's
+    assert seen == [True, False, True], seen
+    for jit_compile in (True, False):
+        model = keras.Sequential([keras.Input((3,)), Probe()])
+        model.compile(jit_compile=jit_compile)
+        seen.clear()  # (building the model ran `call` symbolically)
+        model.predict(x, verbose=0)
+        assert seen and set(seen) == {jit_compile}, (jit_compile, seen)
+    assert not _keras_compat.in_tf_xla_context()

@@ -682,6 +682,19 @@ def tf_recording_stopped() -> bool:
     return bool(pywrap_tfe.TFE_Py_TapeSetIsStopped())
 
 
+def in_tf_xla_context() -> bool:
+    """TF: is the graph being traced compiled by XLA? A `tf.function` with
+    `jit_compile=True` (Keras's steps with `jit_compile`) traces its function
+    inside an `XLAControlFlowContext`, which the graph or one it is nested in
+    holds (tensorflow 2.21: python/eager/polymorphic_function/
+    polymorphic_function.py `OptionalXlaContext`; python/ops/control_flow_util.py
+    `GraphOrParentsInXlaContext`, which TF asks the same way). False eagerly."""
+    from tensorflow.python.framework import ops as tf_ops
+    from tensorflow.python.ops import control_flow_util
+
+    return bool(control_flow_util.GraphOrParentsInXlaContext(tf_ops.get_default_graph()))
+
+
 def in_torch_backward() -> bool:
     """torch: is autograd's engine running a backward pass on this thread (a
     checkpoint's recompute runs there)? (torch 2.13.0: `_current_graph_task_id`

@@ -33,6 +33,8 @@ import keras
 import numpy as np
 from keras import ops
 
+from callscope import _keras_compat
+
 _TORCH = keras.backend.backend() == "torch"
 _JAX = keras.backend.backend() == "jax"
 _TF = keras.backend.backend() == "tensorflow"
@@ -53,7 +55,8 @@ _NEEDS = {
     "nan_count": ("nnan",),
     "inf_count": ("ninf",),
 }
-# Exponent and mantissa bits of the narrow float dtypes whose rounding JAX keeps.
+# Exponent and mantissa bits of the narrow float dtypes whose rounding JAX keeps
+# (and whose values torch.compile and TF's XLA read from their bits: `_from_bits`).
 _OWN_PRECISION = {"bfloat16": (8, 7), "float16": (5, 10)}
 _FINITE_ONLY = ("n", "mean", "m2", "qm", "min", "max", "absmax", "nzero", "hist")
 _SCALARS = ("n", "mean", "m2", "qm", "min", "max", "absmax", "nzero", "nnan", "ninf")
@@ -120,6 +123,14 @@ def partials(value, stats, bins=32, hist_range=None):
         import jax
 
         value = jax.lax.reduce_precision(value, *_OWN_PRECISION[str(value.dtype)])
+    elif _TF and value.dtype.name in _OWN_PRECISION and _keras_compat.in_tf_xla_context():
+        # TF's XLA (jit_compile) drops the round trip too: the values are read
+        # from their bits (`_from_bits`). Only there: without XLA the value is
+        # the layer's, stored rounded, and reading float16 bits cost 6 ms a
+        # step more for 8 points of 256 x 512.
+        import tensorflow as tf
+
+        value = _from_bits(value, lambda t, dtype: tf.bitcast(t, tf.as_dtype(dtype)))
 
     def flat():
         return ops.reshape(ops.cast(value, "float32"), (-1,))
@@ -293,6 +304,35 @@ def _centred(deviations, mean, n):
     # inf, and its deviations -inf (corrected, it read NaN).
     shift = ops.nan_to_num(drift / n, nan=0.0, posinf=0.0, neginf=0.0)
     return mean + shift, ops.maximum(m2, 0.0)
+
+
+def _from_bits(value, bitcast):
+    """The float32 values of a bfloat16 or float16 tensor `value`, worked out from
+    its bits with integer ops (`bitcast(tensor, dtype_name)` reinterprets them).
+
+    A compiler that computes a half-precision value in float32 drops the round
+    trip of the layer's cast to it and the statistics' cast back (torch.compile's
+    Inductor fuses the two and keeps the float32 value; XLA, allowed excess
+    precision, simplifies the pair away): the statistics would be of values the
+    layer never returned (a mean off by 1e-4 of the spread, a min no bfloat16
+    holds). Reading the bits needs the value in its own dtype, rounded as the
+    layer's output is stored (torch's and XLA's own conversion: ties to even,
+    NaN, inf and overflow included), and no compiler folds the integer ops that
+    follow; a plain cast back, or a bitcast there and back (its views cancel),
+    does not survive. Exact for all 2**16 bit patterns of either dtype
+    (`tests/test_half_stats.py`)."""
+    bits = ops.cast(bitcast(value, "int16"), "int32")  # sign-extended
+    if keras.backend.standardize_dtype(value.dtype) == "bfloat16":
+        return bitcast(bits * 65536, "float32")  # float32's upper half (in int32's range)
+    magnitude = ops.bitwise_and(bits, 0x7FFF)  # exponent and mantissa
+    # Normal values: the exponent rebiased (15 to 127) and the mantissa widened;
+    # inf and NaN (exponent 31) to float32's 255, their mantissa kept.
+    wide = magnitude * 8192 + (112 << 23)
+    wide = bitcast(ops.where(magnitude >= 0x7C00, wide + (112 << 23), wide), "float32")
+    # Zero and subnormal values: the mantissa times 2**-24, exactly.
+    small = ops.cast(magnitude, "float32") * 2.0**-24
+    magnitude = ops.where(magnitude < 0x400, small, wide)
+    return ops.where(bits < 0, -magnitude, magnitude)
 
 
 def _scale(largest):
@@ -602,7 +642,13 @@ def _torch_partials(value, stats, bins, hist_range):
         if x is None:
             x = value.reshape(-1)
             if x.dtype != f32:
-                x = x.float()
+                if x.dtype in (torch.bfloat16, torch.float16) and torch.compiler.is_compiling():
+                    # Inductor computes the value in float32 and, fused with this
+                    # cast, keeps it unrounded: read from its bits (`_from_bits`).
+                    # Eagerly the value is the layer's, stored in its own dtype.
+                    x = _from_bits(x, lambda t, dtype: t.view(getattr(torch, dtype)))
+                else:
+                    x = x.float()
         size = x.numel()
         names, scalars, out = [], [], {}
         bad = (x - x) != 0  # NaN - NaN and inf - inf are NaN; NaN != 0
