@@ -13,6 +13,7 @@ import keras
 import numpy as np
 import pytest
 from conftest import numpy
+from test_compiled_keys import _builds
 
 import callscope as cs
 
@@ -190,21 +191,6 @@ def test_a_wrapped_declared_layer_gets_the_value_in_every_entry_point(kind, how)
     reference.fit(X, Y, epochs=2, batch_size=3, shuffle=False, verbose=0)
     for got, expected in zip(model.get_weights(), reference.get_weights()):
         _close(got, expected)
-
-
-def _builds(model):
-    """Counts how many compiled functions Keras makes (every backend)."""
-    counts = {"predict": 0, "test": 0, "train": 0}
-    for kind in counts:
-        original = getattr(model, f"make_{kind}_function")
-
-        def make(*args, _kind=kind, _original=original, **kwargs):
-            if getattr(model, f"{_kind}_function") is None:
-                counts[_kind] += 1
-            return _original(*args, **kwargs)
-
-        setattr(model, f"make_{kind}_function", make)
-    return counts
 
 
 def test_time_distributed_takes_one_compiled_function_per_value():
