@@ -8,7 +8,8 @@ import pytest
 
 BACKEND = keras.backend.backend()
 # Scripts run in processes of their own (device counts are fixed per process).
-collect_ignore = ["distributed_worker.py", "multiprocess_worker.py", "sharded_worker.py"]
+collect_ignore = ["distributed_worker.py", "multiprocess_worker.py", "sharded_worker.py",
+                  "sow_axes_worker.py"]
 
 
 def pytest_configure(config):

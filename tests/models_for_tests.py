@@ -1,6 +1,7 @@
 """Small models used across tests (imported by the test modules)."""
 
 import keras
+import numpy as np
 from keras import layers, ops
 
 import callscope as cs
@@ -97,3 +98,32 @@ class HalvesWhenDebugging(layers.Layer):
     def call(self, x, debugging=None):
         h = self.dense(x)
         return h * 0.5 if debugging else h
+
+
+class SowsWithoutBatchAxis(layers.Layer):
+    """A Dense(4) that sows values whose batch axis is not the first: one of its
+    weights with a NaN in it and that weight's sum (`batch_axis=None`), and its
+    output three times over, time-major (`batch_axis=1`). The sum and two of the
+    three steps reach the output, so they have gradients. `of_rows=True` also sows
+    the mean of the batch's rows as if it had no batch axis: wrong where replicas
+    each see their own rows."""
+
+    def __init__(self, of_rows=False, **kwargs):
+        super().__init__(**kwargs)
+        self.of_rows = of_rows
+        self.dense = layers.Dense(4, name="dense")
+
+    def call(self, x):
+        h = self.dense(x)
+        nan_first = np.ones((2, 4), "float32")
+        nan_first[0, 0] = np.nan
+        cs.sow(self, "kernel", ops.convert_to_tensor(nan_first) * self.dense.kernel,
+               batch_axis=None)
+        total = cs.sow(self, "kernel_sum", ops.sum(self.dense.kernel), batch_axis=None)
+        steps = cs.sow(self, "time_major", ops.stack([h, 2.0 * h, h - 1.0]), batch_axis=1)
+        if self.of_rows:
+            cs.sow(self, "row_mean", ops.mean(x, axis=0), batch_axis=None)
+        return steps[0] + 0.5 * steps[2] + 0.1 * total
+
+    def get_config(self):
+        return {**super().get_config(), "of_rows": self.of_rows}

@@ -139,7 +139,54 @@ def replica_split(data) -> bool | None:
         args=(leaf,))
 
 
-def gather_replicas(sown: dict, split: bool) -> dict:
+def sum_replicas(value):
+    """`value` summed over the replicas of the `tf.distribute` step running now."""
+    import tensorflow as tf
+
+    return _replica_context().all_reduce(tf.distribute.ReduceOp.SUM, value)
+
+
+def agreed(name: str, value):
+    """The first replica's `value` (recorded as `name`), in every replica of the
+    `tf.distribute` step running now, once checked to be every replica's (NaN
+    equals NaN): a value without a batch axis that the replicas disagree on (one
+    computed from each replica's rows) has no one-device value to record."""
+    import tensorflow as tf
+
+    def first(strategy, value):
+        parts = list(strategy.experimental_local_results(value))
+        if len(parts) == 1:
+            return parts[0]
+        nan = tf.math.is_nan if parts[0].dtype.is_floating else tf.zeros_like
+        same = [tf.reduce_all(tf.equal(parts[0], part)
+                              | (tf.cast(nan(parts[0]), tf.bool) & tf.cast(nan(part), tf.bool)))
+                for part in parts[1:]]
+        point = name.split("|")[1]
+        check = tf.debugging.Assert(tf.reduce_all(tf.stack(same)), [
+            f"callscope: `{point}` is sown with batch_axis=None, but the replicas of "
+            "tf.distribute computed different values for it. A value without a batch "
+            "axis must be the same in every replica (a value of the weights); one "
+            "computed from the batch's rows has a batch axis: sow it with that "
+            "`batch_axis`, or capture the rows and reduce them after the call."])
+        with tf.control_dependencies([check]):
+            return tf.identity(parts[0])
+
+    return _replica_context().merge_call(first, args=(value,))
+
+
+def first_replica_only(partials: dict) -> dict:
+    """Statistics partials as the first replica's, and as no data (the partials of
+    an empty tensor) in the others, so that the value they describe counts once."""
+    import tensorflow as tf
+
+    first = tf.equal(_replica_context().replica_id_in_sync_group, 0)
+    empty = {"min": float("inf"), "max": -float("inf"), "absmax": -float("inf")}
+    return {name: tf.where(first, part, tf.fill(tf.shape(part), tf.cast(empty.get(name, 0),
+                                                                        part.dtype)))
+            for name, part in partials.items()}
+
+
+def gather_replicas(sown: dict, split: bool, unbatched=frozenset()) -> dict:
     """A replica's captured values as the whole step's, under `tf.distribute`.
 
     Keras averages a train or test step's outputs across replicas (`reduce_per_replica`
@@ -148,22 +195,25 @@ def gather_replicas(sown: dict, split: bool) -> dict:
     record's replica parts are concatenated along axis 0 in replica order, the global
     batch order (`split`; statistics partials get one row per replica, merged exactly
     on the host), or, where every replica ran the whole batch (not `split`), the
-    first replica's are kept. Every replica then returns that one tensor, which
-    `regroup` leaves unwrapped and Keras passes through unreduced. Call it only
-    where `replica_split` is not None.
+    first replica's are kept, as are the full records in `unbatched` (of values
+    without a batch axis, `agreed`). Every replica then returns that one tensor,
+    which `regroup` leaves unwrapped and Keras passes through unreduced. Call it
+    only in a multi-replica step.
     """
     import tensorflow as tf
 
     def whole(strategy, values):
-        def join(value):
+        def join(value, first: bool):
             parts = list(strategy.experimental_local_results(value))
-            if not split:
+            if first:
                 return parts[0]
             if len(parts) == 1:  # one tensor seen by every replica: each recorded it
                 parts = parts * strategy.num_replicas_in_sync
             return tf.concat(parts, axis=0)
 
-        return tf.nest.map_structure(join, values)
+        return {key: {name: join(part, not split) for name, part in value.items()}
+                if isinstance(value, dict) else join(value, not split or key in unbatched)
+                for key, value in values.items()}
 
     return _replica_context().merge_call(whole, args=(sown,))
 

@@ -149,6 +149,7 @@ class Collector:
     loops = _Fresh()  # point inside a loop -> the layer running it
     grad_sources = _Fresh()  # "index|point|grad" -> gradient sources
     versions = _Fresh()  # torch: id(record) -> (point, record, its version when recorded)
+    batch_axes = _Fresh()  # "index|point" -> a sown value's batch axis, where not 0
 
     def __init__(self, specs: tuple[Spec, ...], kind: str = "call",
                  resolved: Resolved | None = None):
@@ -239,12 +240,13 @@ class Collector:
 
     # -- recording ---------------------------------------------------------
     def record(self, point: str, layer: Any, kind: str, value: Any, sown: bool,
-               parent: str | None = None, skip=()) -> Any:
+               parent: str | None = None, skip=(), batch_axis: int | None = 0) -> Any:
         """Records `value` for every spec that selects it; returns the value to use.
 
         `kind` is `output`, `input` or `input/<argument>`. `parent` is the layer's
         point when `point` is one element of its output: selecting either selects
-        the element. For a `grad` spec the value is also a gradient source: with a
+        the element. `batch_axis` is a sown value's (`sow`). For a `grad` spec the
+        value is also a gradient source: with a
         perturbation active (JAX), the returned value is `value + perturbation`, so
         the gradient with respect to the perturbation is d loss / d value. A value
         that is not floating point is no gradient source (`_not_floating`). The
@@ -254,6 +256,8 @@ class Collector:
         for index, named, records, grads in self._selection(point, layer, kind, sown, parent):
             if index in skip:
                 continue
+            if batch_axis != 0:
+                self._note_batch_axis(f"{index}|{named}", point, batch_axis)
             if records:
                 if kept is None:
                     kept = _backend.as_recorded(value, self.kind)
@@ -284,6 +288,15 @@ class Collector:
                         )
                 sources.append(value)
         return value
+
+    def _note_batch_axis(self, name: str, point: str, axis: int | None) -> None:
+        noted = self.batch_axes.setdefault(name, axis)
+        if noted != axis:
+            raise ValueError(
+                f"`{point}` is sown twice in one step with different batch axes: its "
+                "runs are one point's, stacked alike. Sow them under two names, or "
+                f"with one `batch_axis`. Received: batch_axis={noted!r} and "
+                f"batch_axis={axis!r}")
 
     def selects(self, point: str, layer, kind: str, sown: bool) -> bool:
         """Whether a spec records `point` (or takes it as a gradient source)."""
@@ -343,20 +356,31 @@ class Collector:
         self._check_unchanged()
         self.check_sown_names()
         out = {}
+        self.unbatched = set()  # the keys of values without a batch axis
         for name, values in self.records.items():
             index, point, kind = split_record(name)
             spec = self.specs[int(index)]
+            axis = self.batch_axes.get(f"{index}|{point}", 0)
             for i, value in enumerate(values):
                 key = key_name(point, kind, i, len(values))
+                if axis is None:
+                    self.unbatched.add(f"{index}|{key}")
                 if spec.stats:
                     out[f"{index}|{key}"] = _reduce.partials(
                         value, spec.stats, spec.bins, self.hist_range(int(index), key)
                     )
                 else:
-                    out[f"{index}|{key}"] = value if len(value.shape) else ops.expand_dims(value, 0)
+                    out[f"{index}|{key}"] = _batch_first(value, axis)
         if self.rows is not None:
             out[ROWS] = self.rows
         return out
+
+    def unbatched_records(self) -> list[str]:
+        """The records of values without a batch axis (`sow`)."""
+        if not self.batch_axes:
+            return []
+        return [name for name in self.records
+                if self.batch_axes.get(name.rsplit("|", 1)[0], 0) is None]
 
     def output_of(self, point: str, value):
         """The layer whose call at `point` returned `value` itself, or None."""
@@ -535,6 +559,7 @@ def collecting() -> Iterator[Collected]:
         inner.stack, inner.owners, inner.loops = list(outer.stack), outer.owners, outer.loops
         inner.tree = outer.tree
         inner.perturbations = outer.perturbations
+        inner.batch_axes = outer.batch_axes
         yield result
     result.values = inner.records
     if inner.rows is not None:
@@ -573,13 +598,22 @@ def check_sow_name(name) -> None:
     _CHECKED_NAMES.add(name)
 
 
-def sow(layer: keras.layers.Layer, name: str, value: Any) -> Any:
+def sow(layer: keras.layers.Layer, name: str, value: Any, *,
+        batch_axis: int | None = 0) -> Any:
     """Records `value` as the point `<layer's point>/<name>`, and returns it.
 
     It records only while a `cs.capture` that selects the point is running (a
     `cs.patch` of the point replaces the value); otherwise it costs one context
     lookup and adds nothing to the compiled graph. Call it inside a layer's `call`.
     `name` is one path element: letters, digits, `_`, `-`, `.`.
+
+    `batch_axis` says which axis of `value` holds the batch's rows: a capture
+    joins batches (and, under `tf.distribute`, replicas) along it, and records the
+    value with that axis first (`batch_axis=1` for a time-major `(T, batch, F)`
+    value records `(batch, T, F)`). `None`: the value has no batch axis (a
+    scalar, a value of the weights alone); each call records one row, stacked on
+    a new first axis, and under several replicas, which must agree on it, one
+    replica's is kept (its gradient is their sum). Statistics do not depend on it.
 
     Example:
 
@@ -593,8 +627,22 @@ def sow(layer: keras.layers.Layer, name: str, value: Any) -> Any:
     ...     _ = model.predict(np.array([[1.0, -1.0]]), verbose=0)
     >>> cap["mlp/block/pre_act:output"]
     array([[ 2., -2.]], dtype=float32)
+
+    A value without a batch axis, one row per batch:
+
+    >>> class Scaled(keras.layers.Layer):
+    ...     def call(self, x):
+    ...         cs.sow(self, "scale", keras.ops.ones((3,)), batch_axis=None)
+    ...         return x
+    >>> model = cs.Sequential([keras.Input((2,)), Scaled(name="scaled")], name="s")
+    >>> with cs.capture(model) as cap:
+    ...     _ = model.predict(np.zeros((4, 2)), batch_size=2, verbose=0)
+    >>> cap["s/scaled/scale:output"].shape
+    (2, 3)
     """
     check_sow_name(name)
+    if batch_axis != 0:
+        check_batch_axis(batch_axis)
     collector = active_collector()
     patches = active_patches()
     checkpoint = None  # torch: the checkpoint pass this call is part of (`_recompute`)
@@ -622,7 +670,8 @@ def sow(layer: keras.layers.Layer, name: str, value: Any) -> Any:
         if not collector.first_as_one(point, value):
             return value
         taken = collector.selecting(point, called, sown=False)
-        recorded = collector.record(point, layer, "output", value, sown=True, skip=taken)
+        recorded = collector.record(point, layer, "output", value, sown=True, skip=taken,
+                                    batch_axis=_axis_of(point, value, batch_axis))
         return _masked_like(recorded, value, fresh=True)
     found = None if patches is None else patches.find(point, collector)
     if checkpoint is not None:
@@ -638,8 +687,10 @@ def sow(layer: keras.layers.Layer, name: str, value: Any) -> Any:
         value = _one_tensor(point, value)  # (what is not recorded nor patched may be any)
     if patched:
         value = _masked_like(patches.apply(point, value), given, fresh=False)
-    recorded = _masked_like(collector.record(point, layer, "output", value, sown=True), value,
-                            fresh=True)
+    if batch_axis and not collector.discovery:
+        batch_axis = _axis_of(point, _one_tensor(point, value), batch_axis)
+    recorded = _masked_like(collector.record(point, layer, "output", value, sown=True,
+                                             batch_axis=batch_axis), value, fresh=True)
     collector.tree.append((depth, point, layer, recorded, True))
     # The caller goes on with its own value (a capture must not change the model),
     # unless a patch replaced it or a gradient is taken with respect to it.
@@ -647,6 +698,37 @@ def sow(layer: keras.layers.Layer, name: str, value: Any) -> Any:
     if _notes_one_points():
         collector.sown[point] = returned
     return returned
+
+
+def check_batch_axis(batch_axis) -> None:
+    if batch_axis is not None and (isinstance(batch_axis, bool)
+                                   or not isinstance(batch_axis, (int, np.integer))):
+        raise TypeError(
+            "`cs.sow`'s `batch_axis` is the axis of the value that holds the batch's "
+            "rows (an int), or None for a value without one (a scalar, a value of the "
+            f"weights). Received: batch_axis={batch_axis!r}")
+
+
+def _axis_of(point: str, value, batch_axis: int | None) -> int | None:
+    """`batch_axis` of `value` sown at `point`, counted from the front."""
+    if not batch_axis:  # None or 0
+        return batch_axis
+    rank = len(value.shape)
+    if not -rank <= batch_axis < rank:
+        raise ValueError(
+            f"`{point}` is sown with batch_axis={batch_axis}, but its value has "
+            f"{rank} axes. Give an axis of the value, or batch_axis=None for a value "
+            f"without a batch axis. Received: batch_axis={batch_axis}, a value of shape "
+            f"{tuple(value.shape)}")
+    return int(batch_axis) % rank
+
+
+def _batch_first(value, axis: int | None):
+    """A full record as a capture stacks it: its batch axis first (`sow`); a value
+    without one (or a scalar) as one row."""
+    if axis is None or not len(value.shape):
+        return ops.expand_dims(value, 0)
+    return ops.moveaxis(value, axis, 0) if axis else value
 
 
 def _notes_one_points() -> bool:

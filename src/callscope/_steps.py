@@ -23,7 +23,10 @@ in replica order (the global batch order), statistics partials get one row per
 replica (the host merges each step's rows exactly: `_reduce.merge_each`). Where every
 replica ran the whole batch (`*_on_batch`), one replica's records are kept and its
 gradients are scaled to the step's. Predict needs none of this: Keras concatenates
-its replicas.
+its replicas. A value sown without a batch axis (`batch_axis=None`) is one for all
+replicas in every method: `_backend.agreed` checks that they computed the same and
+keeps the first's, statistics count it in the first replica only, and its gradient is
+the sum of theirs.
 
 On JAX the default `train_step` differentiates `compute_loss_and_updates`, whose
 aux output is a fixed 4-tuple; values sown inside it are tracers of the
@@ -106,9 +109,9 @@ def finalize(collector, kind, args, kwargs) -> dict:
     """The step's captured values (`collector.finalize()`), as the whole step's under
     a multi-replica `tf.distribute` strategy (see the module docstring), their
     statistics partials packed into one array (`_reduce.pack`)."""
-    if kind == "predict" or not (collector.records or collector.rows is not None):
-        return _reduce.pack(collector.finalize())  # Keras concatenates predict's replicas
-    split = _backend.replica_split((args, kwargs))
+    # Keras concatenates predict's replicas itself.
+    predicting = kind == "predict" or not (collector.records or collector.rows is not None)
+    split = None if predicting else _backend.replica_split((args, kwargs))
     if split is False and collector.records:
         # Every replica ran the whole batch with its loss scaled by 1/replicas, and
         # Keras sums their gradients: one replica's times `replicas` is the step's.
@@ -116,9 +119,24 @@ def finalize(collector, kind, args, kwargs) -> dict:
         for name, values in collector.records.items():
             if _record.split_record(name)[2] == "grad":
                 collector.records[name] = [v * replicas for v in values]
+    unbatched = collector.unbatched_records() if _backend.replicas_in_step() > 1 else ()
+    for name in unbatched:
+        # A value without a batch axis (`sow(..., batch_axis=None)`) is one for all
+        # replicas: the one they agree on, its gradient their gradients' sum.
+        if _record.split_record(name)[2] != "grad":
+            collector.records[name] = [_backend.agreed(name, v) for v in collector.records[name]]
+        elif split:
+            collector.records[name] = [_backend.sum_replicas(v) for v in collector.records[name]]
     sown = collector.finalize()
+    if unbatched:  # ... counted once: in the first replica's statistics
+        sown.update({key: _backend.first_replica_only(sown[key]) for key in collector.unbatched
+                     if isinstance(sown[key], dict)})
+        if predicting:  # ... and kept once
+            full = {key: sown[key] for key in collector.unbatched if key in sown
+                    and not isinstance(sown[key], dict)}
+            sown.update(_backend.gather_replicas(full, False) if full else {})
     if split is not None and sown:
-        sown = _backend.gather_replicas(sown, split)
+        sown = _backend.gather_replicas(sown, split, collector.unbatched)
     return _reduce.pack(sown)
 
 

@@ -1,0 +1,184 @@
+"""`cs.sow(..., batch_axis=)`: values whose batch axis is not the first (time-major),
+or that have none (a value of the weights, a scalar), on one device and under
+Keras's distribution engines (`tf.distribute.MirroredStrategy`, where each replica's
+record used to be taken as rows of the batch, and JAX's `DataParallel`)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import keras
+import numpy as np
+import pytest
+from conftest import BACKEND
+from models_for_tests import SowsWithoutBatchAxis
+
+import callscope as cs
+
+X = np.random.RandomState(0).randn(10, 2).astype("float32")
+Y = np.random.RandomState(1).randn(10, 4).astype("float32")
+SOWN = "seq/block/*"
+
+
+def _model(jit_compile="auto", of_rows=False):
+    model = cs.Sequential([keras.Input((2,)), SowsWithoutBatchAxis(of_rows, name="block")],
+                          name="seq")
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", jit_compile=jit_compile)
+    return model
+
+
+def _kernel(model):
+    return keras.ops.convert_to_numpy(model.get_layer("block").dense.kernel)
+
+
+def _expected_kernel(model):
+    kernel = _kernel(model).copy()
+    kernel[0, 0] = np.nan  # the layer's NaN
+    return kernel
+
+
+@pytest.mark.parametrize("jit_compile", ["auto", True, False])
+def test_predict_records_each_axis_as_said(jit_compile):
+    model = _model(jit_compile)
+    with cs.capture(model, SOWN) as cap:
+        out = model.predict(X, batch_size=4, verbose=0)  # 3 batches: 4, 4, 2
+    kernel = _expected_kernel(model)
+    # No batch axis: one row per batch, stacked on a new first axis.
+    assert cap["seq/block/kernel:output"].shape == (3, 2, 4)
+    for row in cap["seq/block/kernel:output"]:
+        np.testing.assert_array_equal(row, kernel)
+    np.testing.assert_allclose(cap["seq/block/kernel_sum:output"],
+                               [_kernel(model).sum()] * 3, rtol=1e-6)
+    # Time-major (3, batch, 4), batch_axis=1: recorded batch-first, (rows, 3, 4).
+    h = cap["seq/block/dense:output"]
+    steps = cap["seq/block/time_major:output"]
+    assert steps.shape == (10, 3, 4)
+    np.testing.assert_allclose(steps, np.stack([h, 2 * h, h - 1], axis=1), rtol=1e-6)
+    np.testing.assert_allclose(out, h + 0.5 * (h - 1) + 0.1 * _kernel(model).sum(),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_statistics_count_each_value_once():
+    model = _model()
+    stats = ("mean", "min", "max", "hist", "nan_count")
+    with cs.capture(model, SOWN) as full:
+        model.predict(X, batch_size=4, verbose=0)
+    with cs.capture(model, SOWN, reduce=stats, hist_range=(-3.0, 3.0), bins=6) as cap:
+        model.predict(X, batch_size=4, verbose=0)
+    for point in ("kernel", "kernel_sum", "time_major"):
+        values = full[f"seq/block/{point}:output"].astype(np.float64)
+        finite = values[np.isfinite(values)]
+        key = f"seq/block/{point}:output"
+        assert cap[f"{key}/nan_count"] == np.isnan(values).sum()
+        assert cap[f"{key}/mean"] == pytest.approx(finite.mean(), rel=1e-5)
+        assert cap[f"{key}/min"] == pytest.approx(finite.min())
+        assert cap[f"{key}/max"] == pytest.approx(finite.max())
+        hist, _ = np.histogram(np.clip(finite, -3.0, 3.0), bins=6, range=(-3.0, 3.0))
+        np.testing.assert_array_equal(cap[f"{key}/hist"], hist)
+    assert cap["seq/block/kernel:output/nan_count"] == 3  # one NaN a batch
+
+
+def test_gradients_keep_the_value_layout():
+    model = _model()
+    kernel, bias = (keras.ops.convert_to_numpy(w) for w in model.get_layer("block").dense.weights)
+    with cs.capture(model, SOWN, kinds=("output", "grad")) as cap:
+        model.train_on_batch(X, Y)
+    # mse over (10, 4): d loss / d out = 2 (out - y) / 40, with out = h + 0.5 (h - 1) + 0.1 sum(k).
+    h = X @ kernel + bias
+    out = 1.5 * h - 0.5 + 0.1 * kernel.sum()
+    g = 2 * (out - Y) / out.size
+    np.testing.assert_allclose(cap["seq/block/kernel_sum:grad"], [0.1 * g.sum()], rtol=1e-4)
+    np.testing.assert_array_equal(cap["seq/block/kernel:grad"], np.zeros((1, 2, 4)))
+    np.testing.assert_allclose(cap["seq/block/time_major:grad"],
+                               np.stack([g, 0 * g, 0.5 * g], axis=1), rtol=1e-4, atol=1e-7)
+
+
+def test_a_streamed_capture_stacks_alike(tmp_path):
+    model = _model()
+    with cs.capture(model, SOWN) as cap:
+        model.predict(X, batch_size=4, verbose=0)
+    with cs.capture(model, SOWN, to=tmp_path / "caps") as streamed:
+        model.predict(X, batch_size=4, verbose=0)
+    loaded = cs.load_capture(tmp_path / "caps")
+    for key, value in cap.items():
+        np.testing.assert_array_equal(streamed[key], value)
+        np.testing.assert_array_equal(loaded[key], value)
+
+
+def test_bad_batch_axes_are_refused():
+    layer = keras.layers.Dense(1)
+    for bad in (1.5, True, "0"):
+        with pytest.raises(TypeError, match=r"`batch_axis` is the axis of the value that holds "
+                           rf"the batch's rows .*Received: batch_axis={bad!r}"):
+            cs.sow(layer, "x", np.zeros(2), batch_axis=bad)
+
+    class Sows(keras.layers.Layer):
+        def __init__(self, axes, **kwargs):
+            super().__init__(**kwargs)
+            self.axes = axes
+
+        def call(self, x):
+            for axis in self.axes:  # (2, batch): its batch axis is the last
+                cs.sow(self, "v", keras.ops.transpose(x), batch_axis=axis)
+            return x
+
+    model = cs.Sequential([keras.Input((2,)), Sows([3], name="sows")], name="m")
+    with pytest.raises(ValueError, match=r"`m/sows/v` is sown with batch_axis=3, but its value "
+                       r"has 2 axes.*Received: batch_axis=3, a value of shape \(2, \d+\)"):
+        with cs.capture(model):
+            model.predict(X, verbose=0)
+    model = cs.Sequential([keras.Input((2,)), Sows([None, 1], name="sows")], name="m")
+    with pytest.raises(ValueError, match=r"`m/sows/v` is sown twice in one step with different "
+                       r"batch axes.*Received: batch_axis=None and batch_axis=1"):
+        with cs.capture(model):
+            model.predict(X, verbose=0)
+    # -1 is the last axis; nothing was left behind by the errors.
+    model = cs.Sequential([keras.Input((2,)), Sows([-1], name="sows")], name="m")
+    with cs.capture(model) as cap:
+        model.predict(X, batch_size=4, verbose=0)
+    np.testing.assert_array_equal(cap["m/sows/v:output"], X)
+
+
+def _run_worker(engine):
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "KERAS_BACKEND")}
+    worker = Path(__file__).with_name("sow_axes_worker.py")
+    proc = subprocess.run([sys.executable, str(worker), engine], capture_output=True, text=True,
+                          env=env, timeout=600, cwd=worker.parent)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULTS "))
+    return json.loads(line[len("RESULTS "):])
+
+
+def _assert_same(actual, desired):
+    assert actual.keys() == desired.keys()
+    for key, value in desired.items():
+        value, got = np.asarray(value, dtype=float), np.asarray(actual[key], dtype=float)
+        assert got.shape == value.shape, key
+        np.testing.assert_allclose(got, value, rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+@pytest.mark.skipif(BACKEND == "torch", reason="Keras distributes JAX and TF only")
+def test_distributed_captures_match_one_device():
+    results = _run_worker(BACKEND)
+    assert results["devices"] == 4
+    single, dist = results["single"], results["distributed"]
+    assert np.shape(single["predict"]["seq/block/kernel:output"]) == (2, 2, 4)
+    assert np.shape(single["predict"]["seq/block/kernel_sum:output"]) == (2,)
+    assert np.shape(single["predict_on_batch"]["seq/block/kernel_sum:output"]) == (1,)
+    assert single["predict_stats"]["seq/block/kernel:output/nan_count"] == 2
+    for section, values in single.items():
+        if section == "weights":
+            for a, b in zip(dist[section], values):
+                np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+        else:
+            _assert_same(dist[section], values)
+    if BACKEND == "tensorflow":
+        # The replicas each saw their own rows: no one-device value to record.
+        assert "InvalidArgumentError" in results["disagreeing"]
+        assert ("`seq/block/row_mean` is sown with batch_axis=None, but the replicas of "
+                "tf.distribute computed different values for it") in results["disagreeing"]
+        assert results["after_disagreeing"] == results["single_after_disagreeing"]
+    else:  # one program over the global batch: its mean is one device's
+        _assert_same(results["disagreeing"], results["single_disagreeing"])
