@@ -92,8 +92,9 @@ def test_inspect_statistics_match_numpy_and_json_parses(saved, tmp_path):
     assert stats["seq/hidden:output/mean"] == pytest.approx(hidden.mean(), rel=1e-5)
     assert stats["seq/hidden:output/std"] == pytest.approx(hidden.std(), rel=1e-4)
     assert stats["seq/hidden:output/frac_zero"] == pytest.approx((hidden == 0).mean())
-    # A loaded model's points are named from the call tree, as in-process: "seq/hidden".
-    proc = run("inspect", path, "--data", tmp_path / "x.npy", "--select", "seq/hidden")
+    # A loaded model's points are named from the call tree, as in-process: "seq/hidden"
+    # (the same command's main in this process: the script ran above).
+    proc = run_here("inspect", path, "--data", tmp_path / "x.npy", "--select", "seq/hidden")
     assert proc.returncode == 0
     assert "seq/hidden (Dense)" in proc.stdout and "seq/hidden:output" in proc.stdout
 
@@ -104,9 +105,11 @@ def test_inspect_out_streams_captures_and_never_overwrites(saved, tmp_path):
     args = ("inspect", path, "--data", tmp_path / "x.npy", "--out", out)
     assert run(*args).returncode == 0
     assert (out / "captures" / "index.json").exists() and (out / "histograms.png").exists()
-    again = run(*args)
+    # The refusal and the overwrite are the same command's main in this process (the
+    # script wrote `out` above).
+    again = run_here(*args)
     assert again.returncode == 1 and "--overwrite" in again.stderr
-    assert run(*args, "--overwrite").returncode == 0
+    assert run_here(*args, "--overwrite").returncode == 0
 
 
 def _one_line_error(proc, code, *needles):
