@@ -35,11 +35,11 @@ SOWN = "seq/block/*"
 STATS = ("mean", "min", "max", "hist", "nan_count")
 
 
-def build(of_rows=False):
+def build(of_rows=False, jit_compile="auto"):
     keras.utils.set_random_seed(0)
     model = cs.Sequential([keras.Input((2,)), SowsWithoutBatchAxis(of_rows, name="block")],
                           name="seq")
-    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", jit_compile=jit_compile)
     return model
 
 
@@ -81,19 +81,27 @@ def run(model, rows):
 def disagreeing(model):
     """A value computed from each replica's rows, sown as if it had no batch axis:
     its capture, or the error."""
-    try:
-        with cs.capture(model, "seq/block/row_mean") as cap:
-            model.predict(X, batch_size=8, verbose=0)
-    except Exception as e:  # noqa: BLE001 (tf.errors.InvalidArgumentError on TF)
-        return f"{type(e).__name__}: {e}"
-    return arrays(cap)
+    out = {}
+    for method, call in (("predict", lambda: model.predict(X, batch_size=8, verbose=0)),
+                         ("fit", lambda: model.fit(X, Y, batch_size=8, verbose=0))):
+        try:
+            with cs.capture(model, "seq/block/row_mean") as cap:
+                call()
+            out[method] = arrays(cap)
+        except ValueError as e:
+            out[method] = str(e)
+    return out
 
 
 def after(model):
-    """The model's next capture, after `disagreeing`: nothing left behind."""
+    """The model's next captures, after `disagreeing`: nothing left behind, and
+    training still runs."""
     with cs.capture(model, "seq/block/kernel*") as cap:
         model.predict(X, batch_size=8, verbose=0)
-    return arrays(cap)
+    with cs.capture(model, "seq/block/kernel*", kinds=("output", "grad")) as fit:
+        model.fit(X, Y, batch_size=8, verbose=0, shuffle=False)
+    return {"predict": arrays(cap), "fit": arrays(fit),
+            "loss": float(model.train_on_batch(X, Y))}
 
 
 results = {}
@@ -122,4 +130,18 @@ else:
         model = build(of_rows=True)
     results["disagreeing"] = disagreeing(model)
     results["after_disagreeing"] = after(model)
+    # XLA cannot join replicas (merge_call): refused, where it was an opaque error
+    # (fit, evaluate) or one part per replica (predict).
+    with strategy.scope():
+        model = build(jit_compile=True)
+    results["xla"] = []
+    for call in (lambda: model.predict(X, batch_size=8, verbose=0),
+                 lambda: model.evaluate(X, Y, batch_size=8, verbose=0)):
+        try:
+            with cs.capture(model, SOWN):
+                call()
+            results["xla"].append(None)
+        except ValueError as e:
+            results["xla"].append(str(e))
+    results["xla_after"] = model.predict(X, batch_size=8, verbose=0).tolist()
 print("RESULTS " + json.dumps(results))

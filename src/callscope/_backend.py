@@ -146,30 +146,22 @@ def sum_replicas(value):
     return _replica_context().all_reduce(tf.distribute.ReduceOp.SUM, value)
 
 
-def agreed(name: str, value):
-    """The first replica's `value` (recorded as `name`), in every replica of the
-    `tf.distribute` step running now, once checked to be every replica's (NaN
-    equals NaN): a value without a batch axis that the replicas disagree on (one
-    computed from each replica's rows) has no one-device value to record."""
+def agreed(value):
+    """The first replica's `value`, and whether every replica's equals it (NaN
+    equals NaN), the same two tensors in every replica of the `tf.distribute` step
+    running now. The host raises if not (`_steps.pop_sown`): an assertion in the
+    step would cancel the collective ops of the other replicas, for good."""
     import tensorflow as tf
 
     def first(strategy, value):
         parts = list(strategy.experimental_local_results(value))
         if len(parts) == 1:
-            return parts[0]
+            return parts[0], tf.constant(True)
         nan = tf.math.is_nan if parts[0].dtype.is_floating else tf.zeros_like
         same = [tf.reduce_all(tf.equal(parts[0], part)
                               | (tf.cast(nan(parts[0]), tf.bool) & tf.cast(nan(part), tf.bool)))
                 for part in parts[1:]]
-        point = name.split("|")[1]
-        check = tf.debugging.Assert(tf.reduce_all(tf.stack(same)), [
-            f"callscope: `{point}` is sown with batch_axis=None, but the replicas of "
-            "tf.distribute computed different values for it. A value without a batch "
-            "axis must be the same in every replica (a value of the weights); one "
-            "computed from the batch's rows has a batch axis: sow it with that "
-            "`batch_axis`, or capture the rows and reduce them after the call."])
-        with tf.control_dependencies([check]):
-            return tf.identity(parts[0])
+        return tf.identity(parts[0]), tf.reduce_all(tf.stack(same))
 
     return _replica_context().merge_call(first, args=(value,))
 
@@ -196,9 +188,9 @@ def gather_replicas(sown: dict, split: bool, unbatched=frozenset()) -> dict:
     batch order (`split`; statistics partials get one row per replica, merged exactly
     on the host), or, where every replica ran the whole batch (not `split`), the
     first replica's are kept, as are the full records in `unbatched` (of values
-    without a batch axis, `agreed`). Every replica then returns that one tensor,
-    which `regroup` leaves unwrapped and Keras passes through unreduced. Call it
-    only in a multi-replica step.
+    without a batch axis, `agreed`, and whether the replicas agreed on them). Every
+    replica then returns that one tensor, which `regroup` leaves unwrapped and Keras
+    passes through unreduced. Call it only in a multi-replica step.
     """
     import tensorflow as tf
 

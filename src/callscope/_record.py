@@ -256,7 +256,7 @@ class Collector:
         for index, named, records, grads in self._selection(point, layer, kind, sown, parent):
             if index in skip:
                 continue
-            if batch_axis != 0:
+            if sown:
                 self._note_batch_axis(f"{index}|{named}", point, batch_axis)
             if records:
                 if kept is None:
@@ -288,6 +288,12 @@ class Collector:
                         )
                 sources.append(value)
         return value
+
+    def note_batch_axes(self, point: str, layer, axis: int | None) -> None:
+        """`axis` for the records of `layer`'s output at `point` that its call made
+        (a sown value that is the call's output, `sow`)."""
+        for index, named, _, _ in self._selection(point, layer, "output", False, None):
+            self._note_batch_axis(f"{index}|{named}", point, axis)
 
     def _note_batch_axis(self, name: str, point: str, axis: int | None) -> None:
         noted = self.batch_axes.setdefault(name, axis)
@@ -360,7 +366,7 @@ class Collector:
         for name, values in self.records.items():
             index, point, kind = split_record(name)
             spec = self.specs[int(index)]
-            axis = self.batch_axes.get(f"{index}|{point}", 0)
+            axis = self.batch_axes.get(f"{index}|{point}", 0) if kind in _AXED else 0
             for i, value in enumerate(values):
                 key = key_name(point, kind, i, len(values))
                 if axis is None:
@@ -379,8 +385,8 @@ class Collector:
         """The records of values without a batch axis (`sow`)."""
         if not self.batch_axes:
             return []
-        return [name for name in self.records
-                if self.batch_axes.get(name.rsplit("|", 1)[0], 0) is None]
+        return [name for name in self.records if split_record(name)[2] in _AXED
+                and self.batch_axes.get(name.rsplit("|", 1)[0], 0) is None]
 
     def output_of(self, point: str, value):
         """The layer whose call at `point` returned `value` itself, or None."""
@@ -452,6 +458,9 @@ class Collector:
         if name is None:
             return (-1.0, 1.0)
         return self.inputs.get(prefix + name, (2,), "float32")
+
+
+_AXED = ("output", "grad")  # the kinds of a sown value's records (`sow`'s batch_axis)
 
 
 def split_record(name: str) -> tuple[str, str, str]:
@@ -641,8 +650,6 @@ def sow(layer: keras.layers.Layer, name: str, value: Any, *,
     (2, 3)
     """
     check_sow_name(name)
-    if batch_axis != 0:
-        check_batch_axis(batch_axis)
     collector = active_collector()
     patches = active_patches()
     checkpoint = None  # torch: the checkpoint pass this call is part of (`_recompute`)
@@ -670,8 +677,11 @@ def sow(layer: keras.layers.Layer, name: str, value: Any, *,
         if not collector.first_as_one(point, value):
             return value
         taken = collector.selecting(point, called, sown=False)
+        batch_axis = _axis_of(point, value, batch_axis)
+        if batch_axis != 0:  # also for the records the call made
+            collector.note_batch_axes(point, called, batch_axis)
         recorded = collector.record(point, layer, "output", value, sown=True, skip=taken,
-                                    batch_axis=_axis_of(point, value, batch_axis))
+                                    batch_axis=batch_axis)
         return _masked_like(recorded, value, fresh=True)
     found = None if patches is None else patches.find(point, collector)
     if checkpoint is not None:
@@ -685,10 +695,10 @@ def sow(layer: keras.layers.Layer, name: str, value: Any, *,
     if not collector.discovery and (patched or collector.selects(point, layer, "output",
                                                                  sown=True)):
         value = _one_tensor(point, value)  # (what is not recorded nor patched may be any)
+        batch_axis = _axis_of(point, value, batch_axis)
     if patched:
-        value = _masked_like(patches.apply(point, value), given, fresh=False)
-    if batch_axis and not collector.discovery:
-        batch_axis = _axis_of(point, _one_tensor(point, value), batch_axis)
+        value = _masked_like(patches.apply(point, value, batch_axis=batch_axis), given,
+                             fresh=False)
     recorded = _masked_like(collector.record(point, layer, "output", value, sown=True,
                                              batch_axis=batch_axis), value, fresh=True)
     collector.tree.append((depth, point, layer, recorded, True))
@@ -700,19 +710,16 @@ def sow(layer: keras.layers.Layer, name: str, value: Any, *,
     return returned
 
 
-def check_batch_axis(batch_axis) -> None:
-    if batch_axis is not None and (isinstance(batch_axis, bool)
-                                   or not isinstance(batch_axis, (int, np.integer))):
+def _axis_of(point: str, value, batch_axis: int | None) -> int | None:
+    """`batch_axis` of `value` sown at `point` (recorded or patched), counted from
+    the front."""
+    if batch_axis is None or (type(batch_axis) is int and batch_axis == 0):
+        return batch_axis
+    if isinstance(batch_axis, bool) or not isinstance(batch_axis, (int, np.integer)):
         raise TypeError(
             "`cs.sow`'s `batch_axis` is the axis of the value that holds the batch's "
             "rows (an int), or None for a value without one (a scalar, a value of the "
             f"weights). Received: batch_axis={batch_axis!r}")
-
-
-def _axis_of(point: str, value, batch_axis: int | None) -> int | None:
-    """`batch_axis` of `value` sown at `point`, counted from the front."""
-    if not batch_axis:  # None or 0
-        return batch_axis
     rank = len(value.shape)
     if not -rank <= batch_axis < rank:
         raise ValueError(
@@ -1129,7 +1136,7 @@ class Patches:
                 return owner, name, functions[name]
         return None
 
-    def apply(self, point: str, value: Any, layer=None, own=None) -> Any:
+    def apply(self, point: str, value: Any, layer=None, own=None, batch_axis=0) -> Any:
         collector = _ACTIVE.collector
         found = self.find(point, collector, layer, own)
         if found is None:
@@ -1137,10 +1144,12 @@ class Patches:
         if (collector is not None and collector.applied is not None
                 and not _backend.is_tracing_now()):
             collector.applied[point] = found  # for a recompute (`RecordingCall.replay`)
-        return self.run(found, value)
+        return self.run(found, value, batch_axis)
 
-    def run(self, found: tuple, value: Any) -> Any:
-        """`value` patched by `found` (`find`'s answer)."""
+    def run(self, found: tuple, value: Any, batch_axis=0) -> Any:
+        """`value` patched by `found` (`find`'s answer). A patch that takes the batch
+        sees a sown value batch-first, as a capture records it (`sow`'s
+        `batch_axis`), and the value goes on in its own layout."""
         owner, name, fn = found
         self.hits.add((owner, name))
         dynamic = self._values(owner, name, fn)
@@ -1151,6 +1160,16 @@ class Patches:
                     "array), which only `predict`, `evaluate`, `fit` and the *_on_batch "
                     "methods give. Received: a direct model(x) call"
                 )
+            if batch_axis is None:
+                raise ValueError(
+                    f"The patch of `{name}` takes the batch (`fn(value, batch)` or an "
+                    "array of the data's rows), but the point is sown with "
+                    "batch_axis=None: its value has no rows. Patch it with `fn(value)` "
+                    "(e.g. `lambda v: v * 0`). Received: a patch that takes the batch")
+            if batch_axis:
+                first = ops.moveaxis(value, batch_axis, 0)
+                out = self.run(found, first)
+                return ops.moveaxis(out, 0, batch_axis)
             rows = value.shape[0] if value.shape[0] is not None else ops.shape(value)[0]
             batch = Batch(ops.cast(self.offset.value, "int32"), rows)
             out = fn(value, batch) if dynamic is None else fn(value, batch, dynamic)

@@ -24,9 +24,9 @@ replica (the host merges each step's rows exactly: `_reduce.merge_each`). Where 
 replica ran the whole batch (`*_on_batch`), one replica's records are kept and its
 gradients are scaled to the step's. Predict needs none of this: Keras concatenates
 its replicas. A value sown without a batch axis (`batch_axis=None`) is one for all
-replicas in every method: `_backend.agreed` checks that they computed the same and
-keeps the first's, statistics count it in the first replica only, and its gradient is
-the sum of theirs.
+replicas in every method: the first replica's is kept (`_backend.agreed`; the host
+raises if the others differ), statistics count it in the first replica only, and its
+gradient is the sum of theirs.
 
 On JAX the default `train_step` differentiates `compute_loss_and_updates`, whose
 aux output is a fixed 4-tuple; values sown inside it are tracers of the
@@ -80,6 +80,8 @@ def pop_sown(kind, result, run):
         return result
     sown = main[SOWN]
     rows = sown.pop(_record.ROWS, None) if isinstance(sown, dict) else None
+    if _backend.BACKEND == "tensorflow" and isinstance(sown, dict):
+        _check_agreed(sown)
     if rows is not None and run is not None and run.offset is not None:
         run.offset.advance(int(np.sum(_reduce.to_numpy(rows))))
     if kind == "predict":
@@ -120,24 +122,56 @@ def finalize(collector, kind, args, kwargs) -> dict:
             if _record.split_record(name)[2] == "grad":
                 collector.records[name] = [v * replicas for v in values]
     unbatched = collector.unbatched_records() if _backend.replicas_in_step() > 1 else ()
+    if (unbatched or split is not None) and _keras_compat.in_tf_xla_context():
+        raise ValueError(
+            "callscope joins a step's records across the replicas of tf.distribute with "
+            "`merge_call`, which a step compiled by XLA cannot make (the records of "
+            "`fit` and `evaluate`, and values sown with batch_axis=None in any method). "
+            "Compile the model with jit_compile=False to capture them under a "
+            "multi-replica strategy. Received: jit_compile=True, "
+            f"{_backend.replicas_in_step()} replicas")
+    agreed = {}
     for name in unbatched:
         # A value without a batch axis (`sow(..., batch_axis=None)`) is one for all
         # replicas: the one they agree on, its gradient their gradients' sum.
+        values = collector.records[name]
         if _record.split_record(name)[2] != "grad":
-            collector.records[name] = [_backend.agreed(name, v) for v in collector.records[name]]
+            for i, value in enumerate(values):
+                values[i], agreed[f"{AGREED}{i}|{name}"] = _backend.agreed(value)
         elif split:
-            collector.records[name] = [_backend.sum_replicas(v) for v in collector.records[name]]
+            collector.records[name] = [_backend.sum_replicas(v) for v in values]
     sown = collector.finalize()
     if unbatched:  # ... counted once: in the first replica's statistics
         sown.update({key: _backend.first_replica_only(sown[key]) for key in collector.unbatched
                      if isinstance(sown[key], dict)})
+        sown.update(agreed)
         if predicting:  # ... and kept once
-            full = {key: sown[key] for key in collector.unbatched if key in sown
+            full = {key: sown[key] for key in [*collector.unbatched, *agreed] if key in sown
                     and not isinstance(sown[key], dict)}
             sown.update(_backend.gather_replicas(full, False) if full else {})
     if split is not None and sown:
-        sown = _backend.gather_replicas(sown, split, collector.unbatched)
+        sown = _backend.gather_replicas(sown, split, {*collector.unbatched, *agreed})
     return _reduce.pack(sown)
+
+
+AGREED = "__callscope_agreed__"  # did the replicas agree on a value without a batch axis?
+
+
+def _check_agreed(sown: dict) -> None:
+    """Raises for a value sown with batch_axis=None that the replicas of
+    tf.distribute disagreed on (`finalize`); takes the answers off `sown`."""
+    answers = {name: sown.pop(name) for name in [n for n in sown if n.startswith(AGREED)]}
+    disagreed = sorted({_record.split_record(name.split("|", 1)[1])[1]
+                        for name, same in answers.items()
+                        if not np.all(_reduce.to_numpy(same))})
+    if disagreed:
+        raise ValueError(
+            f"{', '.join(f'`{p}`' for p in disagreed)} is sown with batch_axis=None, but "
+            "the replicas of tf.distribute computed different values for it. A value "
+            "without a batch axis must be the same in every replica (a value of the "
+            "weights); one computed from the batch's rows has a batch axis: sow it with "
+            "that `batch_axis`, or capture the rows and reduce them after the call. "
+            f"Received: points={disagreed}")
 
 
 def check_not_rematerialized(model) -> None:
