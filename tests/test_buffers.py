@@ -253,7 +253,7 @@ def test_each_step_crosses_to_the_host_once_and_statistics_merge_as_they_arrive(
         jit_compile, monkeypatch):
     # Past one block of merged rows (64) where the step is compiled; uncompiled
     # steps are slow on JAX, and merge on the same host path.
-    model, batch, steps = _model(jit_compile), 4, 80 if jit_compile else 12
+    model, batch, steps = _model(jit_compile), 4, 80 if jit_compile else 6
     x = rng.normal(size=(steps * batch, 8)).astype("float32")
     transfers = []
     to_host = _backend.to_host
@@ -583,7 +583,8 @@ def _per_batch(values, batch):
 @pytest.mark.parametrize("jit_compile", JIT)
 def test_fit_statistics_take_one_append_per_step_however_many_points(
         jit_compile, monkeypatch):
-    model, batch, steps = _model(jit_compile), 8, 6
+    # (uncompiled steps are slow on JAX: fewer of them, every check the same)
+    model, batch, steps = _model(jit_compile), 8, 6 if jit_compile else 3
     x = rng.normal(size=(steps * batch + 3, 8)).astype("float32")  # an uneven last batch
     y = rng.normal(size=(len(x), 1)).astype("float32")
     appends = []
