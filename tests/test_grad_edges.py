@@ -903,3 +903,44 @@ def test_points_asked_for_kinds_they_lack_are_named_with_the_kinds_they_have():
             r"only `output` \(and `grad`\)", "'grad',", r"'net/a/id\*',")):
         with cs.capture(model, "net/a/id*", kinds=("grad",)):
             model.evaluate(X, Y, verbose=0)
+
+
+class _SowsItsKernel(keras.layers.Layer):
+    """x @ kernel + bias, with the kernel sown as it is (`copy=False`: the variable)
+    or as a tensor the layer computes with (`copy=True`)."""
+
+    def __init__(self, copy, **kwargs):
+        super().__init__(**kwargs)
+        self.copy = copy
+        self.dense = keras.layers.Dense(1, name="dense")
+
+    def build(self, input_shape):
+        self.dense.build(input_shape)
+
+    def call(self, x):
+        kernel = self.dense.kernel * 1.0 if self.copy else self.dense.kernel
+        kernel = cs.sow(self, "kernel", kernel)
+        return keras.ops.matmul(x, kernel) + self.dense.bias
+
+
+def test_a_variable_sown_as_it_is_has_no_gradient_of_its_own():
+    # It raised inside JAX's and torch's autodiff, and TF gave the weight's gradient.
+    model = cs.Sequential([keras.Input((3,)), _SowsItsKernel(False, name="k")], name="m")
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(ValueError, match=r"d loss / d `m/k/kernel` is not taken: `m/k/kernel` is "
+                       r"a variable sown as it is \('m/k/dense/kernel'\).*self.kernel \* 1.0.*"
+                       r"Received: select='m/k/kernel' with kinds including 'grad'"):
+        with cs.capture(model, "m/k/kernel", kinds=("output", "grad")):
+            model.train_on_batch(X, Y)
+    with cs.capture(model, "*", kinds=("output", "grad")) as cap:  # a glob leaves it out
+        model.train_on_batch(X, Y)
+    assert "m/k/kernel:output" in cap and "m/k/kernel:grad" not in cap
+    # The value the layer computes with has one: d mse / d kernel.
+    model = cs.Sequential([keras.Input((3,)), _SowsItsKernel(True, name="k")], name="m")
+    model.compile(optimizer="sgd", loss="mse")
+    kernel, bias = (numpy(w) for w in model.get_layer("k").dense.weights)
+    with cs.capture(model, "m/k/kernel", kinds=("output", "grad")) as cap:
+        model.train_on_batch(X, Y)
+    out = X @ kernel + bias
+    np.testing.assert_allclose(cap["m/k/kernel:grad"], X.T @ (2 * (out - Y) / len(X)),
+                               rtol=1e-4, atol=1e-6)

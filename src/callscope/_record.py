@@ -265,7 +265,7 @@ class Collector:
                     if version is not None:
                         self.versions[id(kept)] = (point, kept, version)
                 self.records.setdefault(f"{index}|{named}|{kind}", []).append(kept)
-            if grads and not _floating(value):
+            if grads and (isinstance(value, keras.Variable) or not _floating(value)):
                 # No gradient there: a glob leaves the point out of `grad`.
                 if self.specs[index].names(named):
                     raise ValueError(_not_floating(named, value))
@@ -941,7 +941,20 @@ def _floating(value) -> bool:
 
 def _not_floating(point: str, value) -> str:
     """The error for a gradient asked of a point by its exact name, at a value that
-    is not floating point (an argmax, a mask, token ids): a glob leaves it out."""
+    is not floating point (an argmax, a mask, token ids), or at a variable sown as
+    it is: a glob leaves it out."""
+    if isinstance(value, keras.Variable):
+        # Measured (keras 3.15.1): JAX and torch raised inside their autodiff, and
+        # TF gave the weight's gradient, through every read of the variable, where
+        # a sown tensor's gradient is through the value `sow` returns.
+        return (
+            f"d loss / d `{point}` is not taken: `{point}` is a variable sown as it is "
+            f"({value.path!r}), whose gradient would be the weight's, through every use "
+            "of the variable, not through the value `cs.sow` returns. Sow the value the "
+            "layer computes with (e.g. `w = cs.sow(self, 'kernel', self.kernel * 1.0)`, "
+            "then compute with `w`), or capture it "
+            f"with kinds=('output',). Received: select={point!r} with kinds including "
+            f"'grad', at a {type(value).__name__}")
     dtype = keras.backend.standardize_dtype(value.dtype)
     return (
         f"d loss / d `{point}` is not defined: a gradient is taken only at a "
