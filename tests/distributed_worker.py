@@ -4,17 +4,12 @@ Device counts must be fixed before the backend initialises, hence the process.
 Usage: python distributed_worker.py jax|tensorflow
 """
 
-import faulthandler
 import json
-import os
-import sys
 import threading
 
-faulthandler.dump_traceback_later(500, exit=True)  # a hang fails with its stacks
-ENGINE = sys.argv[1]
-if ENGINE == "jax":
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
-os.environ["KERAS_BACKEND"] = ENGINE
+from worker_devices import start
+
+ENGINE = start(jax_devices=4, tf_devices=2)
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -23,11 +18,6 @@ import callscope as cs  # noqa: E402
 
 if ENGINE == "tensorflow":
     import tensorflow as tf
-
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    tf.config.set_logical_device_configuration(
-        cpu, [tf.config.LogicalDeviceConfiguration()] * 2
-    )
 
 X = np.arange(32, dtype="float32").reshape(16, 2) / 10.0
 Y = (X.sum(axis=1, keepdims=True) * 3.0).astype("float32")

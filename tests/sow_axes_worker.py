@@ -5,16 +5,11 @@ the same captures on one device and distributed.
 Usage: python sow_axes_worker.py jax|tensorflow
 """
 
-import faulthandler
 import json
-import os
-import sys
 
-faulthandler.dump_traceback_later(500, exit=True)  # a hang fails with its stacks
-ENGINE = sys.argv[1]
-if ENGINE == "jax":
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
-os.environ["KERAS_BACKEND"] = ENGINE
+from worker_devices import start
+
+ENGINE = start(jax_devices=4, tf_devices=4)
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -24,10 +19,6 @@ from models_for_tests import SowsWithoutBatchAxis  # noqa: E402
 
 if ENGINE == "tensorflow":
     import tensorflow as tf
-
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    tf.config.set_logical_device_configuration(
-        cpu, [tf.config.LogicalDeviceConfiguration()] * 4)
 
 X = np.random.RandomState(0).randn(16, 2).astype("float32")
 Y = np.random.RandomState(1).randn(16, 4).astype("float32")

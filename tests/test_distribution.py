@@ -14,9 +14,10 @@ WORKER = Path(__file__).with_name("distributed_worker.py")
 X = np.arange(32, dtype="float32").reshape(16, 2) / 10.0  # the worker's data
 
 
-def _run_worker(engine):
+def _run_worker(engine, worker=WORKER):
+    """The JSON a worker script printed (it sets up its own devices and backend)."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "KERAS_BACKEND")}
-    proc = subprocess.run([sys.executable, str(WORKER), engine], capture_output=True,
+    proc = subprocess.run([sys.executable, str(worker), engine], capture_output=True,
                           text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULTS "))

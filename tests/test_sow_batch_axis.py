@@ -3,10 +3,6 @@ or that have none (a value of the weights, a scalar), on one device and under
 Keras's distribution engines (`tf.distribute.MirroredStrategy`, where each replica's
 record used to be taken as rows of the batch, and JAX's `DataParallel`)."""
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import keras
@@ -14,12 +10,14 @@ import numpy as np
 import pytest
 from conftest import BACKEND
 from models_for_tests import SowsWithoutBatchAxis
+from test_distribution import _run_worker
 
 import callscope as cs
 
 X = np.random.RandomState(0).randn(10, 2).astype("float32")
 Y = np.random.RandomState(1).randn(10, 4).astype("float32")
 SOWN = "seq/block/*"
+WORKER = Path(__file__).with_name("sow_axes_worker.py")
 
 
 def _model(jit_compile="auto", of_rows=False):
@@ -209,16 +207,6 @@ def test_patches_see_a_time_major_value_batch_first():
     np.testing.assert_allclose(out, h + 0.5 * (h - 1), rtol=1e-5, atol=1e-6)
 
 
-def _run_worker(engine):
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "KERAS_BACKEND")}
-    worker = Path(__file__).with_name("sow_axes_worker.py")
-    proc = subprocess.run([sys.executable, str(worker), engine], capture_output=True, text=True,
-                          env=env, timeout=600, cwd=worker.parent)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULTS "))
-    return json.loads(line[len("RESULTS "):])
-
-
 def _assert_same(actual, desired):
     assert actual.keys() == desired.keys()
     for key, value in desired.items():
@@ -229,7 +217,7 @@ def _assert_same(actual, desired):
 
 @pytest.mark.skipif(BACKEND == "torch", reason="Keras distributes JAX and TF only")
 def test_distributed_captures_match_one_device():
-    results = _run_worker(BACKEND)
+    results = _run_worker(BACKEND, WORKER)
     assert results["devices"] == 4
     single, dist = results["single"], results["distributed"]
     assert np.shape(single["predict"]["seq/block/kernel:output"]) == (2, 2, 4)
