@@ -149,7 +149,7 @@ class Collector:
     loops = _Fresh()  # point inside a loop -> the layer running it
     grad_sources = _Fresh()  # "index|point|grad" -> gradient sources
     versions = _Fresh()  # torch: id(record) -> (point, record, its version when recorded)
-    batch_axes = _Fresh()  # "index|point" -> a sown value's batch axis, where not 0
+    batch_axes = _Fresh()  # "index|point" -> a sown value's batch axis, 0 included
 
     def __init__(self, specs: tuple[Spec, ...], kind: str = "call",
                  resolved: Resolved | None = None):
