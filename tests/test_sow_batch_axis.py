@@ -178,6 +178,73 @@ def test_a_sown_sublayer_output_keeps_its_axis_whatever_selects_it(select):
     assert cap["m/block/steps:output"].shape == (3,)  # one 0-d value a batch
 
 
+class ReturnsWhatItSows(keras.layers.Layer):
+    """Sows a time-major value (`batch_axis=1`) and its weights' sum (`None`) under
+    the names of the elements of its tuple output that they are: one point each."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(3, name="dense")
+
+    def call(self, x):
+        h = self.dense(x)
+        steps = cs.sow(self, "0", keras.ops.stack([h, 2.0 * h]), batch_axis=1)
+        total = cs.sow(self, "1", keras.ops.sum(self.dense.kernel), batch_axis=None)
+        return steps, total
+
+
+class UsesThePair(keras.layers.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.pair = ReturnsWhatItSows(name="pair")
+
+    def call(self, x):
+        steps, total = self.pair(x)
+        return steps[1] + total
+
+
+@pytest.mark.parametrize("select", [None, "m/u/pair", "m/u/pair/*", "*", "m/u/pair/0"])
+def test_a_sown_output_element_keeps_its_axis_whatever_selects_it(select):
+    # Selecting the layer selects its elements; they were recorded with their first
+    # axis as the rows: (8, 2, 3) as (4, 4, 3), silently, where batches are even.
+    model = cs.Sequential([keras.Input((2,)), UsesThePair(name="u")], name="m")
+    with cs.capture(model, select) as cap:
+        model.predict(X[:8], batch_size=4, verbose=0)
+    dense = model.get_layer("u").pair.dense
+    h = keras.ops.convert_to_numpy(dense(X[:8]))
+    np.testing.assert_allclose(cap["m/u/pair/0:output"], np.stack([h, 2 * h], axis=1),
+                               rtol=1e-6)
+    if select != "m/u/pair/0":
+        total = keras.ops.convert_to_numpy(keras.ops.sum(dense.kernel))
+        np.testing.assert_allclose(cap["m/u/pair/1:output"], [total, total], rtol=1e-6)
+
+
+def test_a_patch_of_the_rows_of_a_sown_sublayer_output_is_refused():
+    # The sublayer's call patches its output before `sow` gives the axis: a patch
+    # that takes the batch saw the T steps as rows, silently where T is the batch size.
+    model = cs.Sequential([keras.Input((2,)), SowsItsSublayer(1, name="block")], name="m")
+
+    def by_row(value, batch):
+        return keras.ops.zeros_like(value) + keras.ops.cast(batch.start, value.dtype)
+
+    for patch in (by_row, np.zeros((10, 2, 2), "float32")):
+        with pytest.raises(ValueError, match=r"The patch of `m/block/steps` takes the batch .*"
+                           r"output of the sublayer `steps`, sown there with batch_axis=1: "
+                           r".*Sow the value under a name of its own \(e.g. `cs.sow\(self, "
+                           r"'steps_rows', ..., batch_axis=1\)`\)"):
+            with cs.patch(model, {"m/block/steps": patch}):  # batches of T = 2 rows
+                model.predict(X[:8], batch_size=2, verbose=0)
+    # Where the rows do not fit, the sublayer's shape check says where to give the axis.
+    with pytest.raises(ValueError, match=r"took the value's first axis as the batch's rows: "
+                       r"a value whose rows are on another axis is patched where it is "
+                       r"sown, with `cs.sow\(..., batch_axis=\)`"):
+        with cs.patch(model, {"m/block/steps": np.zeros((10, 2, 2), "float32")}):
+            model.predict(X, batch_size=4, verbose=0)
+    # A patch of the value alone needs no rows.
+    with cs.patch(model, {"m/block/steps": lambda v: v * 0.0}):
+        np.testing.assert_array_equal(model.predict(X, batch_size=4, verbose=0), X)
+
+
 def test_patches_see_a_time_major_value_batch_first():
     model = _model()
     with cs.capture(model, "seq/block/time_major") as clean:

@@ -163,6 +163,7 @@ class Collector:
         # already taken as one.
         self.outputs: dict[str, tuple] = {}
         self.sown: dict[str, Any] = {}
+        self.sown_axes: dict[str, int | None] = {}  # a sown point -> its `batch_axis`
         self.same: set[tuple] = set()
         self.names_checked = -1  # the tree's length when `check_sown_names` last ran
         self.wants_inputs = any("input" in spec.kinds for spec in specs)
@@ -289,10 +290,11 @@ class Collector:
                 sources.append(value)
         return value
 
-    def note_batch_axes(self, point: str, layer, axis: int | None) -> None:
-        """`axis` for the records of `layer`'s output at `point` that its call made
-        (a sown value that is the call's output, `sow`)."""
-        for index, named, _, _ in self._selection(point, layer, "output", False, None):
+    def note_batch_axes(self, point: str, layer, axis: int | None, parent=None) -> None:
+        """`axis` for the records of `layer`'s output at `point` (a sown value that
+        is a sublayer's output, or an element of the sowing layer's own output,
+        `parent`'s: one point, `sow`)."""
+        for index, named, _, _ in self._selection(point, layer, "output", False, parent):
             self._note_batch_axis(f"{index}|{named}", point, axis)
 
     def _note_batch_axis(self, name: str, point: str, axis: int | None) -> None:
@@ -680,6 +682,8 @@ def sow(layer: keras.layers.Layer, name: str, value: Any, *,
         batch_axis = _axis_of(point, value, batch_axis)
         if batch_axis != 0:  # also for the records the call made
             collector.note_batch_axes(point, called, batch_axis)
+            if patches is not None:
+                _check_called_patch(patches, point, collector, called, batch_axis)
         recorded = collector.record(point, layer, "output", value, sown=True, skip=taken,
                                     batch_axis=batch_axis)
         return _masked_like(recorded, value, fresh=True)
@@ -707,7 +711,26 @@ def sow(layer: keras.layers.Layer, name: str, value: Any, *,
     returned = recorded if patched or recorded is not value else given
     if _notes_one_points():
         collector.sown[point] = returned
+        collector.sown_axes[point] = batch_axis  # (for its layer's output, `_record_outputs`)
     return returned
+
+
+def _check_called_patch(patches, point: str, collector, called, batch_axis) -> None:
+    """Raises where a patch that takes the batch replaced a sublayer's output that
+    is then sown under its point with another batch axis: the sublayer's call
+    patched it with its first axis as the rows, before `sow` gave the axis."""
+    found = patches.find(point, collector, called, point)
+    if found is None or not getattr(found[2], "takes_batch", False):
+        return
+    raise ValueError(
+        f"The patch of `{point}` takes the batch (`fn(value, batch)` or an array of "
+        f"the data's rows), and `{point}` is the output of the sublayer "
+        f"`{called.name}`, sown there with batch_axis={batch_axis!r}: the sublayer's "
+        "call patched it first, taking its first axis as the rows, before `cs.sow` "
+        "gave the batch axis. Sow the value under a name of its own (e.g. "
+        f"`cs.sow(self, {point.rpartition('/')[2] + '_rows'!r}, ..., "
+        f"batch_axis={batch_axis!r})`) and patch that point, or patch with "
+        "`fn(value)`. Received: a patch that takes the batch")
 
 
 def _axis_of(point: str, value, batch_axis: int | None) -> int | None:
@@ -1064,9 +1087,14 @@ def _record_outputs(collector, patches, point, layer, outputs, depth):
                 # applied its patch and recorded it for the captures of sown points.
                 if collector.first_as_one(child, value):
                     taken = collector.selecting(child, layer, sown=True)
-                    for found in collector._selection(child, layer, "output", False, point):
+                    selected = collector._selection(child, layer, "output", False, point)
+                    for found in selected:
                         if found[3] and found[0] not in taken and _floating(value):
                             raise ValueError(_sown_element_grad(child, point))
+                    axis = collector.sown_axes.get(child, 0)
+                    if selected and axis != 0:  # its records here, as the sow's
+                        collector.note_batch_axes(child, layer, _axis_of(child, value, axis),
+                                                  parent=point)
                     values[i] = _masked_like(
                         collector.record(child, layer, "output", value, False, parent=point,
                                          skip=taken), value, fresh=True)
@@ -1190,12 +1218,15 @@ class Patches:
             out = fn(value, None, dynamic)
         else:
             out = fn(value)
+        rows = (" It took the value's first axis as the batch's rows: a value whose rows "
+                "are on another axis is patched where it is sown, with "
+                "`cs.sow(..., batch_axis=)`." if getattr(fn, "takes_batch", False) else "")
         return _backend.check_same_shape(
             out, value,
             f"The patch of `{name}` returned a value of shape {{got}}, but the point's "
             f"value has shape {{want}}: a patch must keep the shape. For a patch that "
             "depends on the batch, take `fn(value, batch)` and use `batch.start` and "
-            "`batch.rows`, or pass the full-data array itself as the patch."
+            f"`batch.rows`, or pass the full-data array itself as the patch.{rows}"
         )
 
 

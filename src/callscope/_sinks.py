@@ -141,8 +141,9 @@ class HostBuffer:
                 f"Captured `{self.key}` changed shape from (N, "
                 f"{', '.join(map(str, self._data.shape[1:]))}) to {array.shape} within "
                 "one call: its batches cannot be stacked into one array. Give every "
-                "batch the same shape (e.g. pad to a fixed length), or capture "
-                f"another point. Received: a batch of shape {array.shape}")
+                "batch the same shape (e.g. pad to a fixed length), sow a value "
+                "whose rows are not its first axis with `cs.sow(..., batch_axis=)`, "
+                f"or capture another point. Received: a batch of shape {array.shape}")
         if self._error is not None:
             return
         needed = self.rows + array.shape[0]
