@@ -244,6 +244,8 @@ def test_a_batch_of_another_shape_reads_as_a_clear_error():
     buffer.append(np.zeros((2, 3)))
     buffer.append(np.zeros((2, 5)))
     with pytest.raises(ValueError, match=r"changed shape from \(N, 3\) to \(2, 5\).*"
+                                         r"whose rows are not its first axis with "
+                                         r"`cs.sow\(..., batch_axis=\)`.*"
                                          r"Received: a batch of shape \(2, 5\)"):
         buffer.view()
 
@@ -540,7 +542,8 @@ def test_a_streamed_key_that_changes_shape_stops_the_loop_and_raises_at_the_end(
                            keras.layers.GlobalAveragePooling1D(name="pool")], name="s")
     expected = model.predict(np.ones((2, 3, 4), "float32"), verbose=0)
     steps = _EachBatch(lambda b: b)
-    with pytest.raises(ValueError, match=r"changed shape from \(N, \[3, 3\]\) to \(2, 4, 3\)"):
+    with pytest.raises(ValueError, match=r"changed shape from \(N, \[3, 3\]\) to \(2, 4, 3\)"
+                       r".*`cs.sow\(..., batch_axis=\)`"):
         with cs.capture(model, "s/d", to=tmp_path / "caps"):
             model.predict(_Growing(), verbose=0, callbacks=[steps])
     # The loop stopped at once (a step later where the copy lags), not after 8 steps.

@@ -476,7 +476,9 @@ class Call(Mapping):
         if list(shape[1:]) != entry["row"]:
             raise ValueError(
                 f"Captured `{key}` changed shape from (N, {entry['row']}) to {shape}; "
-                "streaming to disk needs a fixed shape per row. Capture it without `to=`."
+                "streaming to disk needs a fixed shape per row. Capture it without `to=`, "
+                "or sow a value whose rows are not its first axis with "
+                "`cs.sow(..., batch_axis=)`."
             )
 
     def _stream(self, key: str, array: np.ndarray) -> None:
