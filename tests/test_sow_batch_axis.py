@@ -156,12 +156,15 @@ class SowsItsSublayer(keras.layers.Layer):
     def __init__(self, batch_axis, **kwargs):
         super().__init__(**kwargs)
         self.batch_axis = batch_axis
+        # 1: time-major steps; None: a scalar; "rows": rows, sown as if it had none.
         self.steps = keras.layers.Lambda(
-            lambda x: keras.ops.stack([x, 2.0 * x]) if self.batch_axis else x[0, 0],
+            lambda x: (keras.ops.stack([x, 2.0 * x]) if self.batch_axis == 1
+                       else x if self.batch_axis else x[0, 0]),
             name="steps")
 
     def call(self, x):
-        steps = cs.sow(self, "steps", self.steps(x), batch_axis=self.batch_axis)
+        axis = None if self.batch_axis == "rows" else self.batch_axis
+        steps = cs.sow(self, "steps", self.steps(x), batch_axis=axis)
         return x + 0.0 * keras.ops.sum(steps)
 
 
@@ -243,6 +246,53 @@ def test_a_patch_of_the_rows_of_a_sown_sublayer_output_is_refused():
     # A patch of the value alone needs no rows.
     with cs.patch(model, {"m/block/steps": lambda v: v * 0.0}):
         np.testing.assert_array_equal(model.predict(X, batch_size=4, verbose=0), X)
+    # Opened on the inner model, the error names the point as the patch does.
+    outer = cs.Sequential([keras.Input((2,)), model], name="outer")
+    with pytest.raises(ValueError, match=r"The patch of `m/block/steps` takes the batch .*"
+                       r"output of the sublayer `steps`, sown there with batch_axis=1"):
+        with cs.patch(model, {"m/block/steps": by_row}):
+            outer.predict(X[:8], batch_size=2, verbose=0)
+    # Without a batch axis there are no rows to patch, whatever the name.
+    model = cs.Sequential([keras.Input((2,)), SowsItsSublayer(None, name="block")], name="m")
+    with pytest.raises(ValueError, match=r"The patch of `m/block/steps` takes the batch .*"
+                       r"the point's value is a scalar: it has no rows. Patch it with "
+                       r"`fn\(value\)`"):
+        with cs.patch(model, {"m/block/steps": by_row}):
+            model.predict(X, batch_size=4, verbose=0)
+    model = cs.Sequential([keras.Input((2,)), SowsItsSublayer("rows", name="block")],
+                          name="m")
+    with pytest.raises(ValueError, match=r"sown there with batch_axis=None: .*"
+                       r"A value sown with batch_axis=None has no rows: patch it with "
+                       r"`fn\(value\)`"):
+        with cs.patch(model, {"m/block/steps": by_row}):
+            model.predict(X[:8], batch_size=4, verbose=0)
+
+
+def test_a_patch_of_the_rows_of_a_tuple_output_is_refused():
+    model = cs.Sequential([keras.Input((2,)), UsesThePair(name="u")], name="m")
+    with pytest.raises(ValueError, match=r"The patch of `m/u/pair` takes the batch .*the "
+                       r"layer's output there is a tuple of tensors.*Patch each element at "
+                       r"its own point \(`m/u/pair/0`, ...\)"):
+        with cs.patch(model, {"m/u/pair": lambda value, batch: value}):
+            model.predict(X, batch_size=4, verbose=0)
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="torch.compile: torch's jit_compile=True")
+def test_under_torch_compile_an_output_element_sown_under_its_point_is_refused():
+    # Layers cannot note there which value is which, so one point of two is refused,
+    # and before the element's patch would run a second time (with its first axis
+    # as the rows: the patch's shape error, which named the wrong cause).
+    model = cs.Sequential([keras.Input((2,)), UsesThePair(name="u")], name="m")
+    model.compile(loss="mse", jit_compile=True)
+    message = (r"`cs.sow\(self, '0', ...\)` in `pair` names the point `m/u/pair/0`, which is "
+               r"also an element of its output, with a value that is not that output itself "
+               r"\(or, under torch.compile, `jit_compile=True`, any value: .*but not under "
+               r"torch.compile\)")
+    steps = np.zeros((10, 2, 3), "float32")
+    for opened in (lambda: cs.capture(model), lambda: cs.patch(model, {"m/u/pair/0": steps})):
+        with pytest.raises(ValueError, match=message):
+            with opened():
+                model.predict(X, batch_size=4, verbose=0)
 
 
 def test_patches_see_a_time_major_value_batch_first():

@@ -419,18 +419,7 @@ class Collector:
         for _, point, layer, value, was_sown in self.tree:
             if was_sown or point not in sown or value is LOOP:
                 continue
-            owner, name = sown[point], point.rpartition("/")[2]
-            other = ("an element of its output" if layer is owner
-                     else f"the output of the sublayer there (`{layer.name}`)")
-            raise ValueError(
-                f"`cs.sow(self, {name!r}, ...)` in `{owner.name}` names the point "
-                f"`{point}`, which is also {other}, with a value that is not that "
-                "output itself: the two would be one point, read as `@0` and `@1` as "
-                "if one layer ran twice. Give the sown value another name (a sublayer's "
-                "output itself may be sown under its point"
-                f"{'' if _notes_one_points() else ', but not under torch.compile'}). "
-                f"Received: name={name!r}"
-            )
+            raise ValueError(_sown_name_clash(point, sown[point], layer))
 
     def _check_unchanged(self) -> None:
         """Raises where a torch op changed a recorded tensor in place after it was
@@ -715,6 +704,26 @@ def sow(layer: keras.layers.Layer, name: str, value: Any, *,
     return returned
 
 
+def _sown_name_clash(point: str, owner, layer) -> str:
+    """`Collector.check_sown_names`' error: `owner` sowed at `point`, which is also
+    `layer`'s output (`owner`'s own: an element of it)."""
+    name = point.rpartition("/")[2]
+    other = ("an element of its output" if layer is owner
+             else f"the output of the sublayer there (`{layer.name}`)")
+    # (The check runs after a torch.compile'd step, where it cannot tell whether
+    # the step was compiled: torch's message names both cases.)
+    compiled = (" (or, under torch.compile, `jit_compile=True`, any value: layers "
+                "cannot note there which value is which)" if _TORCH else "")
+    return (
+        f"`cs.sow(self, {name!r}, ...)` in `{owner.name}` names the point "
+        f"`{point}`, which is also {other}, with a value that is not that "
+        f"output itself{compiled}: the two would be one point, read as `@0` and `@1` "
+        "as if one layer ran twice. Give the sown value another name (a sublayer's "
+        "output itself may be sown under its point"
+        f"{', but not under torch.compile' if _TORCH else ''}). Received: name={name!r}"
+    )
+
+
 def _check_called_patch(patches, point: str, collector, called, batch_axis) -> None:
     """Raises where a patch that takes the batch replaced a sublayer's output that
     is then sown under its point with another batch axis: the sublayer's call
@@ -722,15 +731,18 @@ def _check_called_patch(patches, point: str, collector, called, batch_axis) -> N
     found = patches.find(point, collector, called, point)
     if found is None or not getattr(found[2], "takes_batch", False):
         return
+    name = found[1]  # as the patch names it
+    own = (f"Sow the value under a name of its own (e.g. `cs.sow(self, "
+           f"{name.rpartition('/')[2] + '_rows'!r}, ..., batch_axis={batch_axis!r})`) "
+           "and patch that point, or patch with `fn(value)`" if batch_axis is not None
+           else "A value sown with batch_axis=None has no rows: patch it with `fn(value)` "
+           "(e.g. `lambda v: v * 0`)")
     raise ValueError(
-        f"The patch of `{point}` takes the batch (`fn(value, batch)` or an array of "
-        f"the data's rows), and `{point}` is the output of the sublayer "
+        f"The patch of `{name}` takes the batch (`fn(value, batch)` or an array of "
+        f"the data's rows), and `{name}` is the output of the sublayer "
         f"`{called.name}`, sown there with batch_axis={batch_axis!r}: the sublayer's "
         "call patched it first, taking its first axis as the rows, before `cs.sow` "
-        "gave the batch axis. Sow the value under a name of its own (e.g. "
-        f"`cs.sow(self, {point.rpartition('/')[2] + '_rows'!r}, ..., "
-        f"batch_axis={batch_axis!r})`) and patch that point, or patch with "
-        "`fn(value)`. Received: a patch that takes the batch")
+        f"gave the batch axis. {own}. Received: a patch that takes the batch")
 
 
 def _axis_of(point: str, value, batch_axis: int | None) -> int | None:
@@ -878,11 +890,12 @@ class RecordingCall:
             self._record_inputs(collector, point, args, kwargs)
         runs_loop = isinstance(layer, keras.layers.RNN)
         collector.stack.append(_Frame(point, layer, marker, False, runs_loop))
+        made = len(collector.tree)  # the call's own entries follow
         try:
             outputs = original(*args, **kwargs)
         finally:
             collector.stack.pop()
-        return _record_outputs(collector, patches, point, layer, outputs, depth)
+        return _record_outputs(collector, patches, point, layer, outputs, depth, made)
 
     def replay(self, checkpoint, args, kwargs):
         """The layer's call again in a torch checkpoint's recompute (`_recompute`):
@@ -1049,10 +1062,11 @@ def _leaves(value, into=None) -> list:
     return into
 
 
-def _record_outputs(collector, patches, point, layer, outputs, depth):
+def _record_outputs(collector, patches, point, layer, outputs, depth, made):
     """Patches and records a layer's output, element by element for a structure;
     returns the value the model goes on with (patched, or perturbed for JAX grads),
-    with the call's Keras masks (`_masked_like`)."""
+    with the call's Keras masks (`_masked_like`). `collector.tree[made:]` is what
+    the call noted."""
     called = outputs
     if patches is not None:
         outputs = patches.apply(point, outputs, layer, point)
@@ -1081,6 +1095,14 @@ def _record_outputs(collector, patches, point, layer, outputs, depth):
         for i in leaves:
             child = "/".join([point, *map(str, flat[i][0])])
             value = values[i]
+            if collector.sown.get(child) is not value and any(
+                    entry[4] and entry[1] == child and entry[3] is not LOOP
+                    for entry in collector.tree[made:]):
+                # Sown in the call under this element's point, with another value (or
+                # under torch.compile, where no one-point note is made: `sow`):
+                # `check_sown_names` would raise after the step; raised here, before
+                # a patch of the point runs a second time, with its first axis as rows.
+                raise ValueError(_sown_name_clash(child, layer, layer))
             if collector.sown and collector.sown.get(child) is value:
                 # Sown inside the call under this element's point (`cs.sow(self,
                 # "h", h)` then `return {"h": h}`): one point, one value. The sow
@@ -1207,6 +1229,21 @@ class Patches:
                     "array of the data's rows), but the point is sown with "
                     "batch_axis=None: its value has no rows. Patch it with `fn(value)` "
                     "(e.g. `lambda v: v * 0`). Received: a patch that takes the batch")
+            if not _is_tensor(value):
+                first = "/".join(map(str, keras.tree.flatten_with_path(value)[0][0]))
+                raise ValueError(
+                    f"The patch of `{name}` takes the batch (`fn(value, batch)` or an "
+                    "array of the data's rows), but the layer's output there is a "
+                    f"{type(value).__name__} of tensors, whose rows are its elements'. "
+                    f"Patch each element at its own point (`{name}/{first}`, ...), or the "
+                    "whole output with `fn(value)`. Received: a patch that takes the "
+                    "batch")
+            if getattr(value, "ndim", None) == 0:
+                raise ValueError(
+                    f"The patch of `{name}` takes the batch (`fn(value, batch)` or an "
+                    "array of the data's rows), but the point's value is a scalar: it "
+                    "has no rows. Patch it with `fn(value)` (e.g. `lambda v: v * 0`). "
+                    "Received: a patch that takes the batch")
             if batch_axis:
                 first = ops.moveaxis(value, batch_axis, 0)
                 out = self.run(found, first)
