@@ -613,7 +613,10 @@ def sow(layer: keras.layers.Layer, name: str, value: Any, *,
     value records `(batch, T, F)`). `None`: the value has no batch axis (a
     scalar, a value of the weights alone); each call records one row, stacked on
     a new first axis, and under several replicas, which must agree on it, one
-    replica's is kept (its gradient is their sum). Statistics do not depend on it.
+    replica's is kept (its gradient is their sum). A scalar (0-d) value has no
+    axis to join, so it records one row per call whatever the axis; under
+    `tf.distribute` sow it with `batch_axis=None`, so that its replicas count once.
+    Statistics do not depend on it.
 
     Example:
 
