@@ -738,14 +738,22 @@ def _check_called_patch(patches, point: str, collector, called, batch_axis) -> N
     own = (f"Sow the value under a name of its own (e.g. `cs.sow(self, "
            f"{name.rpartition('/')[2] + '_rows'!r}, ..., batch_axis={batch_axis!r})`) "
            "and patch that point, or patch with `fn(value)`" if batch_axis is not None
-           else "A value sown with batch_axis=None has no rows: patch it with `fn(value)` "
-           "(e.g. `lambda v: v * 0`)")
-    raise ValueError(
-        f"The patch of `{name}` takes the batch (`fn(value, batch)` or an array of "
-        f"the data's rows), and `{name}` is the output of the sublayer "
-        f"`{called.name}`, sown there with batch_axis={batch_axis!r}: the sublayer's "
-        "call patched it first, taking its first axis as the rows, before `cs.sow` "
-        f"gave the batch axis. {own}. Received: a patch that takes the batch")
+           else f"A value sown with batch_axis=None has no rows: {_NO_ROWS[0].lower()}"
+           f"{_NO_ROWS[1:]}")
+    raise _batch_patch_error(
+        name, f"and `{name}` is the output of the sublayer `{called.name}`, sown there "
+        f"with batch_axis={batch_axis!r}: the sublayer's call patched it first, taking "
+        f"its first axis as the rows, before `cs.sow` gave the batch axis. {own}")
+
+
+_NO_ROWS = "Patch it with `fn(value)` (e.g. `lambda v: v * 0`)"
+
+
+def _batch_patch_error(name: str, why: str) -> ValueError:
+    """A patch that takes the batch, where the point's value has no rows to give."""
+    return ValueError(
+        f"The patch of `{name}` takes the batch (`fn(value, batch)` or an array of the "
+        f"data's rows), {why}. Received: a patch that takes the batch")
 
 
 def _axis_of(point: str, value, batch_axis: int | None) -> int | None:
@@ -1227,26 +1235,17 @@ class Patches:
                     "methods give. Received: a direct model(x) call"
                 )
             if batch_axis is None:
-                raise ValueError(
-                    f"The patch of `{name}` takes the batch (`fn(value, batch)` or an "
-                    "array of the data's rows), but the point is sown with "
-                    "batch_axis=None: its value has no rows. Patch it with `fn(value)` "
-                    "(e.g. `lambda v: v * 0`). Received: a patch that takes the batch")
+                raise _batch_patch_error(name, "but the point is sown with batch_axis=None: "
+                                         f"its value has no rows. {_NO_ROWS}")
             if not _is_tensor(value):
                 first = "/".join(map(str, keras.tree.flatten_with_path(value)[0][0]))
-                raise ValueError(
-                    f"The patch of `{name}` takes the batch (`fn(value, batch)` or an "
-                    "array of the data's rows), but the layer's output there is a "
-                    f"{type(value).__name__} of tensors, whose rows are its elements'. "
-                    f"Patch each element at its own point (`{name}/{first}`, ...), or the "
-                    "whole output with `fn(value)`. Received: a patch that takes the "
-                    "batch")
+                raise _batch_patch_error(
+                    name, f"but the layer's output there is a {type(value).__name__} of "
+                    "tensors, whose rows are its elements'. Patch each element at its own "
+                    f"point (`{name}/{first}`, ...), or the whole output with `fn(value)`")
             if getattr(value, "ndim", None) == 0:
-                raise ValueError(
-                    f"The patch of `{name}` takes the batch (`fn(value, batch)` or an "
-                    "array of the data's rows), but the point's value is a scalar: it "
-                    "has no rows. Patch it with `fn(value)` (e.g. `lambda v: v * 0`). "
-                    "Received: a patch that takes the batch")
+                raise _batch_patch_error(
+                    name, f"but the point's value is a scalar: it has no rows. {_NO_ROWS}")
             if batch_axis:
                 first = ops.moveaxis(value, batch_axis, 0)
                 out = self.run(found, first)
