@@ -713,8 +713,8 @@ def _sown_name_clash(point: str, owner, layer) -> str:
     name = point.rpartition("/")[2]
     other = ("an element of its output" if layer is owner
              else f"the output of the sublayer there (`{layer.name}`)")
-    # (The check runs after a torch.compile'd step, where it cannot tell whether
-    # the step was compiled: torch's message names both cases.)
+    # (`check_sown_names` raises it after a torch.compile'd step, where it cannot
+    # tell whether the step was compiled: torch's message names both cases.)
     compiled = (" (or, under torch.compile, `jit_compile=True`, any value: layers "
                 "cannot note there which value is which)" if _TORCH else "")
     return (
@@ -738,15 +738,14 @@ def _check_called_patch(patches, point: str, collector, called, batch_axis) -> N
     own = (f"Sow the value under a name of its own (e.g. `cs.sow(self, "
            f"{name.rpartition('/')[2] + '_rows'!r}, ..., batch_axis={batch_axis!r})`) "
            "and patch that point, or patch with `fn(value)`" if batch_axis is not None
-           else f"A value sown with batch_axis=None has no rows: {_NO_ROWS[0].lower()}"
-           f"{_NO_ROWS[1:]}")
+           else f"A value sown with batch_axis=None has no rows: patch it {_BY_VALUE}")
     raise _batch_patch_error(
         name, f"and `{name}` is the output of the sublayer `{called.name}`, sown there "
         f"with batch_axis={batch_axis!r}: the sublayer's call patched it first, taking "
         f"its first axis as the rows, before `cs.sow` gave the batch axis. {own}")
 
 
-_NO_ROWS = "Patch it with `fn(value)` (e.g. `lambda v: v * 0`)"
+_BY_VALUE = "with `fn(value)` (e.g. `lambda v: v * 0`)"  # a patch that needs no rows
 
 
 def _batch_patch_error(name: str, why: str) -> ValueError:
@@ -1106,13 +1105,13 @@ def _record_outputs(collector, patches, point, layer, outputs, depth, made):
         for i in leaves:
             child = "/".join([point, *map(str, flat[i][0])])
             value = values[i]
-            if collector.sown.get(child) is not value and any(
+            if patches is not None and collector.sown.get(child) is not value and any(
                     entry[4] and entry[1] == child and entry[3] is not LOOP
                     for entry in collector.tree[made:]):
                 # Sown in the call under this element's point, with another value (or
                 # under torch.compile, where no one-point note is made: `sow`):
-                # `check_sown_names` would raise after the step; raised here, before
-                # a patch of the point runs a second time, with its first axis as rows.
+                # `check_sown_names` raises after the step; raised here where a patch
+                # of the point would run a second time, with its first axis as rows.
                 raise ValueError(_sown_name_clash(child, layer, layer))
             if collector.sown and collector.sown.get(child) is value:
                 # Sown inside the call under this element's point (`cs.sow(self,
@@ -1236,7 +1235,7 @@ class Patches:
                 )
             if batch_axis is None:
                 raise _batch_patch_error(name, "but the point is sown with batch_axis=None: "
-                                         f"its value has no rows. {_NO_ROWS}")
+                                         f"its value has no rows. Patch it {_BY_VALUE}")
             if not _is_tensor(value):
                 first = "/".join(map(str, keras.tree.flatten_with_path(value)[0][0]))
                 raise _batch_patch_error(
@@ -1244,8 +1243,8 @@ class Patches:
                     "tensors, whose rows are its elements'. Patch each element at its own "
                     f"point (`{name}/{first}`, ...), or the whole output with `fn(value)`")
             if getattr(value, "ndim", None) == 0:
-                raise _batch_patch_error(
-                    name, f"but the point's value is a scalar: it has no rows. {_NO_ROWS}")
+                raise _batch_patch_error(name, "but the point's value is a scalar: it has "
+                                         f"no rows. Patch it {_BY_VALUE}")
             if batch_axis:
                 first = ops.moveaxis(value, batch_axis, 0)
                 out = self.run(found, first)
