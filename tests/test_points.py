@@ -171,6 +171,62 @@ def test_patch_one_element_of_a_tuple_output():
     assert not np.allclose(plain, patched)
 
 
+def test_an_output_element_named_as_a_sublayer_is_a_point_of_its_own():
+    # Keras's own idiom, a Functional's dict output keyed by its output layers' names:
+    # `m/o1` (the Dense) and the model's element "o1" were one point, read as `@0` and
+    # `@1`, and a patch of `m/o1` ran on both (+2).
+    inputs = keras.Input((4,), name="x")
+    h = layers.Dense(3, name="h")(inputs)
+    model = cs.Model(inputs, {"o1": layers.Dense(2, name="o1")(h),
+                              "o2": layers.Dense(1, name="o2")(h)}, name="m")
+    assert {"m/o1", "m/o1#1", "m/o2", "m/o2#1"} <= set(cs.points(model, X))
+    plain = model.predict(X, verbose=0)
+    for point in ("m/o1", "m/o1#1"):
+        with cs.patch(model, {point: lambda v: v + 1.0}):
+            patched = model.predict(X, batch_size=3, verbose=0)
+        np.testing.assert_allclose(patched["o1"] - plain["o1"], 1.0, rtol=1e-5)
+        np.testing.assert_allclose(patched["o2"], plain["o2"], rtol=1e-6)
+    model.compile(optimizer="sgd", loss={"o1": "mse", "o2": "mse"})
+    y = {"o1": np.zeros((8, 2), "float32"), "o2": np.zeros((8, 1), "float32")}
+    with cs.capture(model, "m/o1", kinds=("output", "grad")) as cap:
+        model.evaluate(X, y, batch_size=8, verbose=0)
+    assert sorted(cap) == ["m/o1:grad", "m/o1:output"]
+    np.testing.assert_allclose(cap["m/o1:output"], plain["o1"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(cap["m/o1:grad"], 2.0 * plain["o1"] / plain["o1"].size,
+                               rtol=1e-4, atol=1e-7)
+
+    # A subclassed layer's dict element under its sublayer's name, another value.
+    class Block(layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.proj = layers.Dense(3, name="proj")
+
+        def call(self, x):
+            p = self.proj(x)
+            return {"proj": p * 2.0, "x": x}
+
+    class Net(cs.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.block = Block(name="block")
+
+        def call(self, x):
+            return self.block(x)["proj"]
+
+    net = Net(name="net")
+    net(X)
+    w = [numpy(v) for v in net.block.proj.weights]
+    p = X @ w[0] + w[1]
+    with cs.capture(net, ["net/block/proj", "net/block/proj#1"]) as cap:
+        net.predict(X, verbose=0)
+    assert sorted(cap) == ["net/block/proj#1:output", "net/block/proj:output"]
+    np.testing.assert_allclose(cap["net/block/proj:output"], p, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(cap["net/block/proj#1:output"], 2 * p, rtol=1e-5, atol=1e-6)
+    for point, want in (("net/block/proj", 2 * (p + 1)), ("net/block/proj#1", 2 * p + 1)):
+        with cs.patch(net, {point: lambda v: v + 1.0}):
+            np.testing.assert_allclose(net.predict(X, verbose=0), want, rtol=1e-5, atol=1e-5)
+
+
 def test_keyword_inputs_are_recorded_by_argument_name():
     class Attend(cs.Model):
         def __init__(self, **kwargs):

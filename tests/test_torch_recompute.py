@@ -199,6 +199,41 @@ def test_a_shared_layer_in_two_checkpoints_patched_at_one_point():
     _same(got, want)
 
 
+class Keyed(keras.layers.Layer):
+    """Inside the checkpoint, a layer returns a dict whose key "d1" is its sublayer
+    `d1`'s name, with another value: the points `.../keyed/d1` and `.../keyed/d1#1`."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.d1 = keras.layers.Dense(4, name="d1")
+
+    def call(self, x):
+        h = self.d1(x)
+        return {"d1": h * 2.0, "h": h}
+
+
+class KeyedInner(Inner):
+    def __init__(self, how=None, **kwargs):
+        super().__init__(how, **kwargs)
+        self.keyed = Keyed(name="keyed")
+
+    def build(self, input_shape):
+        super().build(input_shape)
+        self.keyed.build((None, 4))
+
+    def body(self, t):
+        return self.d2(self.keyed(self.d1(t))["d1"])
+
+
+@pytest.mark.parametrize("how", HOWS)
+@pytest.mark.parametrize("point", ["c/inner/keyed/d1", "c/inner/keyed/d1#1"])
+def test_a_recompute_patches_an_element_named_as_a_sublayer_once(how, point):
+    patches = {point: lambda v: v * 3.0 + 1.0}
+    got = _grads(m := _model(how, KeyedInner), _loss(m, patches))
+    want = _grads(r := _model(None, KeyedInner), _loss(r, patches))
+    _same(got, want)
+
+
 def test_fit_under_a_patch_on_a_reentrant_checkpoint():
     weights = {}
     for how in (None, "reentrant"):

@@ -6,7 +6,8 @@ layer that calls it, `/`, and its own `name` (the root is the model's name). So
 `mlp`, whatever the build history, in-process and after `load_model`, weightless
 layers included. A sown value is `<layer point>/<name>`; an element of a tuple,
 list or dict output is `<layer point>/<index or key>`. Two layer instances are
-never one point: a second instance that would get a taken name gets `#1`, `#2`.
+never one point: a second instance that would get a taken name gets `#1`, `#2`,
+and so does an element whose name is a sublayer's point.
 
 While a capture or patch runs, the per-key step closure opens a `Collector` on
 the thread *inside* the traced step; `sow` and the `call` wrappers name points,
@@ -187,8 +188,20 @@ class Collector:
         """The point of `layer` called now: its caller's point, `/`, its own name
         (`local`, see `_points.local_name`; the root: the model's name)."""
         parent = self.stack[-1].point if self.stack else ""
-        base = point = f"{parent}/{local or layer.name}" if parent else layer.name
-        n = 0
+        return self._owned(f"{parent}/{local or layer.name}" if parent else layer.name,
+                           layer)
+
+    def element(self, child: str, layer) -> str:
+        """The point of an element of `layer`'s output, named `child`
+        (`<layer point>/<index or key>`): with `#n` where a sublayer's point has the
+        name (a Functional's `{"o1": o1}` beside its layer `o1`, `{"proj": p * 2}`
+        beside `self.proj`), so that the two are not one point, patched twice."""
+        return self._owned(child, layer)
+
+    def _owned(self, base: str, layer) -> str:
+        """`base`, or `base#n` where another layer instance has it: two are never
+        one point."""
+        point, n = base, 0
         while self.owners.setdefault(point, id(layer)) != id(layer):
             n += 1
             point = f"{base}#{n}"
@@ -931,10 +944,9 @@ class RecordingCall:
             if len(before) == len(values):
                 values = [_masked_like(v, b, fresh=False) for v, b in zip(values, before)]
         for i, (path, value) in enumerate(flat):
-            child = "/".join([point, *map(str, path)])
-            if child in applied and _is_tensor(value):
-                values[i] = _masked_like(patches.run(applied[child], values[i]), values[i],
-                                         fresh=False)
+            found = applied.get((point, path))  # an element's patch, as `_record_outputs` noted it
+            if found is not None and _is_tensor(value):
+                values[i] = _masked_like(patches.run(found, values[i]), values[i], fresh=False)
         return keras.tree.pack_sequence_as(outputs, values)
 
     def _record_inputs(self, collector, point, args, kwargs):
@@ -1131,9 +1143,11 @@ def _record_outputs(collector, patches, point, layer, outputs, depth, made):
                         collector.record(child, layer, "output", value, False, parent=point,
                                          skip=taken), value, fresh=True)
                 continue
+            child = collector.element(child, layer)
             if patches is not None:
-                value = _masked_like(patches.apply(child, value, layer, point), value,
-                                     fresh=False)
+                value = _masked_like(patches.apply(child, value, layer, point,
+                                                   noted=(point, flat[i][0])),
+                                     value, fresh=False)
             values[i] = _masked_like(
                 collector.record(child, layer, "output", value, False, parent=point), value,
                 fresh=True)
@@ -1209,14 +1223,17 @@ class Patches:
                 return owner, name, functions[name]
         return None
 
-    def apply(self, point: str, value: Any, layer=None, own=None, batch_axis=0) -> Any:
+    def apply(self, point: str, value: Any, layer=None, own=None, batch_axis=0,
+              noted=None) -> Any:
+        """`value` patched where a patch names `point`; a torch recompute
+        (`RecordingCall.replay`) finds the patch again by `noted` (default: `point`)."""
         collector = _ACTIVE.collector
         found = self.find(point, collector, layer, own)
         if found is None:
             return value
         if (collector is not None and collector.applied is not None
                 and not _backend.is_tracing_now()):
-            collector.applied[point] = found  # for a recompute (`RecordingCall.replay`)
+            collector.applied[point if noted is None else noted] = found
         return self.run(found, value, batch_axis)
 
     def run(self, found: tuple, value: Any, batch_axis=0) -> Any:
