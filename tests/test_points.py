@@ -227,6 +227,36 @@ def test_an_output_element_named_as_a_sublayer_is_a_point_of_its_own():
             np.testing.assert_allclose(net.predict(X, verbose=0), want, rtol=1e-5, atol=1e-5)
 
 
+def test_an_elements_name_does_not_depend_on_which_sublayers_ran():
+    # The sublayer `noise` runs only in training: the element "noise" is `net/noise#1`
+    # in predict too (it was `net/noise` there, and a patch of `net/noise` hit the
+    # element in predict and the Dense in fit).
+    class Net(cs.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.noise = layers.Dense(4, name="noise")
+
+        def call(self, x, training=False):
+            n = self.noise(x) if training else x
+            return {"noise": n * 2.0, "clean": x}
+
+    net = Net(name="net")
+    net(X, training=True)
+    assert {"net/noise#1", "net/clean"} <= set(cs.points(net, X))
+    assert "net/noise" not in cs.points(net, X)
+    with cs.capture(net, "net/noise#1") as cap, cs.patch(net, {"net/noise#1": lambda v: v + 1}):
+        out = net.predict(X, verbose=0)
+    np.testing.assert_allclose(cap["net/noise#1:output"], 2 * X + 1, rtol=1e-6)
+    np.testing.assert_allclose(out["noise"], 2 * X + 1, rtol=1e-6)
+    net.compile(optimizer=keras.optimizers.SGD(0.0), loss={"noise": "mse", "clean": "mse"})
+    with cs.capture(net, ["net/noise", "net/noise#1"]) as cap:
+        net.fit(X, {"noise": X, "clean": X}, batch_size=8, shuffle=False, verbose=0)
+    w = [numpy(v) for v in net.noise.weights]
+    dense = X @ w[0] + w[1]
+    np.testing.assert_allclose(cap["net/noise:output"], dense, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(cap["net/noise#1:output"], 2 * dense, rtol=1e-5, atol=1e-6)
+
+
 def test_keyword_inputs_are_recorded_by_argument_name():
     class Attend(cs.Model):
         def __init__(self, **kwargs):

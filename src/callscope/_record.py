@@ -7,7 +7,7 @@ layer that calls it, `/`, and its own `name` (the root is the model's name). So
 layers included. A sown value is `<layer point>/<name>`; an element of a tuple,
 list or dict output is `<layer point>/<index or key>`. Two layer instances are
 never one point: a second instance that would get a taken name gets `#1`, `#2`,
-and so does an element whose name is a sublayer's point.
+and so does an element whose key names a sublayer of its layer.
 
 While a capture or patch runs, the per-key step closure opens a `Collector` on
 the thread *inside* the traced step; `sow` and the `call` wrappers name points,
@@ -111,6 +111,7 @@ class Resolved:
         # (point, kind, id(layer), sown, parent, id(root)) -> (layer, ((index,
         # point as the spec names it, records it, grad source), ...))
         self.selection: dict[tuple, tuple] = {}
+        self.sublayers: dict[int, tuple] = {}  # id(layer) -> (layer, {name: count})
         self.noted = False  # the points of a step were noted (`_cs_note_points`)
 
 
@@ -191,21 +192,38 @@ class Collector:
         return self._owned(f"{parent}/{local or layer.name}" if parent else layer.name,
                            layer)
 
-    def element(self, child: str, layer) -> str:
-        """The point of an element of `layer`'s output, named `child`
-        (`<layer point>/<index or key>`): with `#n` where a sublayer's point has the
-        name (a Functional's `{"o1": o1}` beside its layer `o1`, `{"proj": p * 2}`
-        beside `self.proj`), so that the two are not one point, patched twice."""
-        return self._owned(child, layer)
+    def element(self, point: str, path: tuple, layer) -> str:
+        """The point of the element at `path` of `layer`'s output, `layer` called at
+        `point`: `<layer point>/<index or key>`, with `#n` on the key where sublayers
+        of `layer` have that name (a Functional's output `{"o1": o1}` beside its
+        layer `o1`, `{"proj": p * 2}` beside `self.proj`), so that the two are never
+        one point, patched twice. `n` counts those sublayers, whether they ran in
+        this call or not: the name does not depend on which ran first."""
+        key, *rest = map(str, path)
+        n = self._sublayer_names(layer).get(key, 0)
+        base = f"{point}/{key}"
+        return self._owned(base, layer, n, "".join(f"/{part}" for part in rest))
 
-    def _owned(self, base: str, layer) -> str:
-        """`base`, or `base#n` where another layer instance has it: two are never
-        one point."""
-        point, n = base, 0
-        while self.owners.setdefault(point, id(layer)) != id(layer):
+    def _sublayer_names(self, layer) -> dict[str, int]:
+        """How many of `layer`'s sublayers have each name in its points
+        (`_points.local_name`)."""
+        hit = self.resolved.sublayers.get(id(layer))
+        if hit is not None and hit[0] is layer:
+            return hit[1]
+        names = collections.Counter(
+            local_name(layer, child) for child in _keras_compat.child_layers(layer))
+        if not _backend.is_tracing_now():  # (see `_selection`)
+            self.resolved.sublayers[id(layer)] = (layer, names)
+        return names
+
+    def _owned(self, base: str, layer, n: int = 0, tail: str = "") -> str:
+        """`base` (then `tail`), or `base#n`: a name no other layer instance has
+        (two are never one point)."""
+        while True:
+            point = f"{base}#{n}{tail}" if n else f"{base}{tail}"
+            if self.owners.setdefault(point, id(layer)) == id(layer):
+                return point
             n += 1
-            point = f"{base}#{n}"
-        return point
 
     def sown_point(self, layer, name: str) -> str:
         for frame in reversed(self.stack):
@@ -1115,9 +1133,13 @@ def _record_outputs(collector, patches, point, layer, outputs, depth, made):
             collector.outputs[point] = (layer, values[leaves[0]])  # the point's one tensor
     else:
         for i in leaves:
-            child = "/".join([point, *map(str, flat[i][0])])
+            path = flat[i][0]
+            child = collector.element(point, path, layer)
             value = values[i]
-            if patches is not None and collector.sown.get(child) is not value and any(
+            # (With `#n`, sublayers have the element's name: a value sown under it
+            # is their clash, `check_sown_names`.)
+            plain = child == "/".join([point, *map(str, path)])
+            if plain and patches is not None and collector.sown.get(child) is not value and any(
                     entry[4] and entry[1] == child and entry[3] is not LOOP
                     for entry in collector.tree[made:]):
                 # Sown in the call under this element's point, with another value (or
@@ -1125,7 +1147,7 @@ def _record_outputs(collector, patches, point, layer, outputs, depth, made):
                 # `check_sown_names` raises after the step; raised here where a patch
                 # of the point would run a second time, with its first axis as rows.
                 raise ValueError(_sown_name_clash(child, layer, layer))
-            if collector.sown and collector.sown.get(child) is value:
+            if plain and collector.sown and collector.sown.get(child) is value:
                 # Sown inside the call under this element's point (`cs.sow(self,
                 # "h", h)` then `return {"h": h}`): one point, one value. The sow
                 # applied its patch and recorded it for the captures of sown points.
@@ -1143,10 +1165,9 @@ def _record_outputs(collector, patches, point, layer, outputs, depth, made):
                         collector.record(child, layer, "output", value, False, parent=point,
                                          skip=taken), value, fresh=True)
                 continue
-            child = collector.element(child, layer)
             if patches is not None:
                 value = _masked_like(patches.apply(child, value, layer, point,
-                                                   noted=(point, flat[i][0])),
+                                                   noted=(point, path)),
                                      value, fresh=False)
             values[i] = _masked_like(
                 collector.record(child, layer, "output", value, False, parent=point), value,
