@@ -140,3 +140,59 @@ def test_minus_zero_and_zero_select_their_own_functions():
         np.testing.assert_array_equal(model.predict(X, offset=offset, verbose=0), X * sign)
         with cs.context(offset=offset):
             np.testing.assert_array_equal(model.predict(X, verbose=0), X * sign)
+
+
+def _typed_model():
+    """A layer that tells values apart by type (`isinstance`), as user code may."""
+    @cs.context_args("cfg")
+    class ByType(keras.layers.Layer):
+        def call(self, x, cfg=None):
+            return x * float(getattr(cfg, "factor", 1))
+
+    model = cs.Sequential([keras.Input((2,)), ByType(name="by_type")], name="seq")
+    model.register_context_args("cfg")
+    return model
+
+
+def test_a_namedtuple_and_a_tuple_of_equal_items_select_their_own_functions():
+    # `(1, 2) == Cfg(1, 2)`: they shared one key, and the tuple ran Cfg's trace.
+    import collections
+
+    cfg = collections.namedtuple("Cfg", "factor other")
+    other = collections.namedtuple("Other", "a b")
+    model = _typed_model()
+    for value, factor in ((cfg(100, 2), 100), ((100, 2), 1), (other(100, 2), 1),
+                          (cfg(100, 2), 100)):
+        np.testing.assert_array_equal(model.predict(X, cfg=value, verbose=0), X * factor)
+
+
+def test_equal_members_of_two_classes_of_one_name_select_their_own_functions():
+    import enum
+
+    def make(factor):
+        class Mode(enum.IntEnum):
+            X = 1
+
+        Mode.factor = property(lambda self: factor)
+        return Mode
+
+    first, second = make(10), make(20)
+    assert first.X == second.X and first.__qualname__ == second.__qualname__
+    model = _typed_model()
+    for member, factor in ((first.X, 10), (second.X, 20), (first.X, 10)):
+        np.testing.assert_array_equal(model.predict(X, cfg=member, verbose=0), X * factor)
+
+
+def test_a_static_value_that_may_change_is_refused_and_immutable_ones_are_keys():
+    class Cfg:  # hashed by identity, changed after its first trace
+        factor = 2.0
+
+    model = _typed_model()
+    with pytest.raises(TypeError, match=r"`cfg` is static \(the model's context arguments: "
+                       r"cfg \(static\)\).*A Cfg object may change.*namedtuple.*"
+                       r"Received: cfg=<test_compiled_keys"):
+        model.predict(X, cfg=Cfg(), verbose=0)
+    with pytest.raises(TypeError, match=r"Received: cfg=\(1, \[2\]\)$"):
+        model.predict(X, cfg=(1, [2]), verbose=0)  # the value passed, not its item
+    for value in (frozenset({"a"}), b"a", 1j, ("a", frozenset({1}))):
+        np.testing.assert_array_equal(model.predict(X, cfg=value, verbose=0), X)

@@ -31,6 +31,26 @@ def test_signature_default_in_a_functional_graph_still_honours_the_value():
     np.testing.assert_allclose(model.predict(X, verbose=0), X)
 
 
+def test_a_baked_default_is_removed_when_the_first_use_is_the_users_own_compiled_call():
+    # It was removed on the first eager use only: inside a first `jax.jit`,
+    # `tf.function` or `torch.compile`, `foo_mode=True` gave X (the baked False).
+    inputs = keras.Input((2,))
+    model = cs.Model(inputs, DefaultFalse()(inputs))
+    model.register_context_args("foo_mode")
+    backend = keras.backend.backend()
+    if backend == "jax":
+        import jax
+        compiled, x = jax.jit(lambda x: model(x, foo_mode=True)), X
+    elif backend == "tensorflow":
+        import tensorflow as tf
+        compiled, x = tf.function(lambda x: model(x, foo_mode=True)), X
+    else:
+        import torch
+        compiled, x = torch.compile(lambda x: model(x, foo_mode=True)), torch.as_tensor(X)
+    np.testing.assert_allclose(numpy(compiled(x)), X + 1)
+    np.testing.assert_allclose(model.predict(X, verbose=0), X)
+
+
 def test_explicit_construction_kwarg_differing_from_default_is_kept():
     inputs = keras.Input((2,))
     model = cs.Model(inputs, DefaultFalse()(inputs, foo_mode=True))

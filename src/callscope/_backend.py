@@ -51,6 +51,17 @@ def is_tracing_now() -> bool:
     return False
 
 
+def untraced(fn):
+    """`fn`, run as plain Python where torch.compile's dynamo would trace it (it
+    breaks the graph there): for a walk of Keras's layers, whose `InputLayer` is a
+    torch Module without `_buffers` that dynamo fails on."""
+    if BACKEND == "torch":
+        import torch
+
+        return torch.compiler.disable(fn)
+    return fn
+
+
 def is_symbolic(leaves) -> bool:
     """True for Keras's shape-only calls: KerasTensors, and on torch the meta
     tensors that `compute_output_spec` runs the model on (eagerly)."""

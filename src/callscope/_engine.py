@@ -161,6 +161,12 @@ class Engine(CaptureMixin):
         value as an array of its dtype and shape."""
         state = self._cs
         array = np.asarray(keras.ops.convert_to_numpy(value))
+        if array.dtype.kind not in "biuf":  # (a str, a dict, a list holding None)
+            raise TypeError(
+                f"Dynamic context argument `{name}` takes a number, a bool or an array "
+                "of them: it reaches layers as a tensor. For strings and other Python "
+                "values, register a static name (`model.register_context_args(name)`), "
+                f"one compiled function per value. Received: {name}={_keys.shown(value)}")
         with state.lock:
             variable = state.dynamic.get(name)
             if variable is None:

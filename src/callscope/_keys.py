@@ -2,8 +2,11 @@
 
 A static context value selects a compiled function, so the key must tell apart
 what Python's `==` merges: `True == 1 == 1.0` would share one dict key, and one
-trace. Each value is frozen with its type (`("bool", True)`, `("int", 1)`), tuples
-recursively. NaN never equals itself and would miss the cache on every call, so
+trace, and so would a namedtuple and a plain tuple, or two classes' members that
+compare equal. Each value is frozen with its type itself (`(bool, True)`,
+`(int, 1)`), tuples recursively. Only values that cannot change are static: a
+mutable object that hashes by identity would keep selecting the trace of its
+first state. NaN never equals itself and would miss the cache on every call, so
 it is refused.
 
 `KeyTable` is a bounded LRU of `Entry`s (the compiled functions and step closures
@@ -14,6 +17,7 @@ under that call, whatever the bound.
 from __future__ import annotations
 
 import collections
+import enum
 import math
 import os
 import sys
@@ -26,6 +30,11 @@ import keras
 import numpy as np
 
 STATIC_TYPES = (bool, int, float, str, type(None))
+# Values that never change, keyed by their type and value (besides STATIC_TYPES'
+# subclasses, enum.IntEnum members among them): tuples and frozensets of statics.
+_IMMUTABLE = (bytes, complex, enum.Enum)
+_STATIC_KINDS = ("a bool, int, float, str, None, an Enum member, or a tuple (a namedtuple "
+                 "too) of these")
 DYNAMIC = ("dynamic",)  # stands for a dynamic value in a key
 KINDS = ("train", "test", "predict")
 
@@ -38,45 +47,67 @@ def is_tensor_like(value: Any) -> bool:
     )
 
 
-def check_static(name: str, value: Any) -> None:
-    """Raises a clear error unless `value` can be part of a compiled-function key."""
+def check_static(name: str, value: Any, registered: str = "", whole: Any = None) -> None:
+    """Raises a clear error unless `value` can be part of a compiled-function key.
+    `registered` lists the model's context arguments for the message; `whole` is
+    the value passed, where `value` is an item of it."""
     # The plain types first: a compiled torch step checks the values again, and
     # dynamo cannot trace `is_tensor_like`'s `str.split` of a module name.
     if type(value) in STATIC_TYPES and not (isinstance(value, float) and math.isnan(value)):
         return
+    given = value if whole is None else whole
+    known = f" (the model's context arguments: {registered})" if registered else ""
     if is_tensor_like(value):
         raise TypeError(
-            f"Context argument `{name}` is static: each distinct value gets its own "
-            "compiled function, so it must be a bool, int, float, str, None or a "
-            "tuple of these, not a tensor or array (a tensor would retrace on every "
-            f"call). To pass numbers or arrays that change without retracing, "
-            f"register it with `model.register_context_args({name!r}, dynamic=True)`"
+            f"Context argument `{name}` is static{known}: each distinct value gets its "
+            f"own compiled function, so it must be {_STATIC_KINDS}, not a tensor or "
+            "array (a tensor would retrace on every call). To pass numbers or arrays "
+            f"that change without retracing, register it with "
+            f"`model.register_context_args({name!r}, dynamic=True)`"
             + (f", or pass it as a Python value: `{name}=value.item()`"
-               if isinstance(value, np.generic) else "")
-            + f". Received: {name}={_tensor_described(value)}"
+               if isinstance(value, np.generic) and whole is None else "")
+            + f". Received: {name}={shown(given)}"
         )
-    if isinstance(value, tuple):
+    if isinstance(value, tuple | frozenset):
         for item in value:
-            check_static(name, item)
+            check_static(name, item, registered, given)
         return
     if isinstance(value, float) and math.isnan(value):
         raise ValueError(
             f"Context argument `{name}` is static, and NaN cannot select a compiled "
             "function (NaN != NaN, so it would retrace on every call). Pass another "
             f"sentinel (None, a string), or register it with "
-            f"`model.register_context_args({name!r}, dynamic=True)`. Received: {name}=nan"
+            f"`model.register_context_args({name!r}, dynamic=True)`. "
+            f"Received: {name}={shown(given)}"
         )
-    if not isinstance(value, STATIC_TYPES):
-        try:
-            hash(value)
-        except TypeError:
-            raise TypeError(
-                f"Context argument `{name}` must be hashable (bool, int, float, str, "
-                "None or a tuple of these), because its value selects a compiled "
-                "function. Pass a tuple instead of a list, or register the name "
-                "with `dynamic=True` for numbers and arrays. "
-                f"Received: {name}={value!r}"
-            ) from None
+    if isinstance(value, STATIC_TYPES + _IMMUTABLE):
+        return
+    try:
+        hash(value)
+    except TypeError:
+        raise TypeError(
+            f"Context argument `{name}` must be hashable ({_STATIC_KINDS}), because "
+            f"its value selects a compiled function{known}. Pass a tuple instead of a "
+            "list, or register the name with `dynamic=True` for numbers and arrays. "
+            f"Received: {name}={shown(given)}"
+        ) from None
+    raise TypeError(
+        f"Context argument `{name}` is static{known}: its value selects a compiled "
+        f"function by type and value, so it must be {_STATIC_KINDS}, values that never "
+        f"change. A {type(value).__name__} object may change after it was traced and "
+        "still select the function traced for its first state. Pass the values it holds (a "
+        "tuple or namedtuple of them), or register the name with `dynamic=True` for "
+        f"numbers and arrays. Received: {name}={shown(given)}"
+    )
+
+
+def shown(value: Any) -> str:
+    """`value` for an error's `Received:`: its repr, cut short; a tensor's type and
+    shape, never a whole array."""
+    if is_tensor_like(value) and hasattr(value, "shape"):
+        return _tensor_described(value)
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _tensor_described(value) -> str:
@@ -89,13 +120,17 @@ def _tensor_described(value) -> str:
 
 
 def freeze(value: Any) -> Any:
-    """A key item that differs whenever the type differs (`True`, `1`, `1.0`), and
-    for `-0.0` and `0.0` (equal, yet `copysign`, `1 / x` and `atan2` tell them apart)."""
+    """A key item that differs whenever the type differs (`True`, `1`, `1.0`; a
+    namedtuple and a tuple; two classes of one name), and for `-0.0` and `0.0`
+    (equal, yet `copysign`, `1 / x` and `atan2` tell them apart)."""
+    kind = type(value)
     if isinstance(value, tuple):
-        return ("tuple", tuple(freeze(v) for v in value))
-    if isinstance(value, float) and value == 0.0:
-        return (type(value).__qualname__, value, math.copysign(1.0, value))
-    return (type(value).__qualname__, value)
+        return (kind, tuple(freeze(v) for v in value))
+    if isinstance(value, frozenset):
+        return (kind, frozenset(freeze(v) for v in value))
+    if isinstance(value, float | complex):
+        return (kind, repr(value))  # (-0.0, -0j: what `==` merges, repr tells apart)
+    return (kind, value)
 
 
 def static_key(values: dict, static: set) -> tuple:
@@ -103,11 +138,27 @@ def static_key(values: dict, static: set) -> tuple:
 
 
 def describe(key: tuple) -> str:
-    names = [f"{item[0]}={item[1]!r}" for item in key if isinstance(item[0], str)
+    names = [f"{item[0]}={_said(item[1])}" for item in key if isinstance(item[0], str)
              and not item[0].startswith("<")]
     scopes = [item[0].strip("<>") for item in key if isinstance(item[0], str)
               and item[0].startswith("<")]
     return ", ".join(names + [f"with a {scope}" for scope in scopes])
+
+
+def _said(frozen: tuple) -> str:
+    """A frozen value (`freeze`) as the value was written."""
+    if frozen == DYNAMIC:
+        return "<dynamic>"
+    kind, value = frozen
+    if issubclass(kind, float | complex):
+        return value  # (its repr)
+    if issubclass(kind, tuple | frozenset):
+        items = ", ".join(_said(item) for item in value)
+        if issubclass(kind, frozenset):
+            return f"frozenset({{{items}}})"
+        items += "," if len(value) == 1 else ""
+        return f"({items})" if kind is tuple else f"{kind.__name__}({items})"
+    return repr(value)
 
 
 class Entry:

@@ -132,7 +132,7 @@ class ContextMixin(Engine, _keras_compat.LossHook, *_JAX_HOOKS):
         if allowed is not None:
             for name in kwargs:
                 if name not in allowed:
-                    raise unknown_argument_error(method, name, names)
+                    raise unknown_argument_error(method, name, names, kwargs[name])
         return given
 
     # ------------------------------------------------------------------
@@ -141,8 +141,11 @@ class ContextMixin(Engine, _keras_compat.LossHook, *_JAX_HOOKS):
     def _cs_resolve(self, given: Mapping[str, Any], *, tracing: bool = False) -> dict[str, Any]:
         """Explicit value > scope value > absent; validates static values."""
         state = self._cs
-        if not state.unbaked and not tracing:
-            _keras_compat.unbake_functional_defaults(self, state.names)
+        if not state.unbaked:
+            # Also where the first use is inside the user's own `jax.jit`,
+            # `tf.function` or `torch.compile`: the graph's nodes are Python, read
+            # by this very trace.
+            _backend.untraced(_keras_compat.unbake_functional_defaults)(self, state.names)
             state.unbaked = True
         values = {}
         for name in state.names:
@@ -150,7 +153,7 @@ class ContextMixin(Engine, _keras_compat.LossHook, *_JAX_HOOKS):
             if value is None:
                 continue
             if name in state.static:
-                _keys.check_static(name, value)
+                _keys.check_static(name, value, _registered(state))
             values[name] = value
         return values
 
@@ -297,14 +300,22 @@ def _delivered(value, dynamic: bool):
     return value
 
 
-def unknown_argument_error(method: str, name: str, registered: set[str]) -> TypeError:
+def _registered(state) -> str:
+    """The model's context arguments, for an error: `mode (static), temperature
+    (dynamic)`."""
+    return ", ".join([*(f"{n} (static)" for n in sorted(state.static)),
+                      *(f"{n} (dynamic)" for n in sorted(state.dynamic))])
+
+
+def unknown_argument_error(method: str, name: str, registered: set[str],
+                           value: Any) -> TypeError:
     known = ", ".join(sorted(registered)) or "none"
     return TypeError(
         f"`{method}()` got an unexpected keyword argument `{name}`. It is neither an "
         f"argument of `{method}()` nor a registered context argument "
         f"(registered: {known}). To pass it to the model's layers, declare it with "
         f"`model.register_context_args({name!r})` or decorate the model class with "
-        f"`@callscope.context_args({name!r})`. Received: {name}=..."
+        f"`@callscope.context_args({name!r})`. Received: {name}={_keys.shown(value)}"
     )
 
 
