@@ -189,10 +189,50 @@ def test_a_static_value_that_may_change_is_refused_and_immutable_ones_are_keys()
 
     model = _typed_model()
     with pytest.raises(TypeError, match=r"`cfg` is static \(the model's context arguments: "
-                       r"cfg \(static\)\).*A Cfg object may change.*namedtuple.*"
+                       r"cfg \(static\)\).*A value of type Cfg is hashed by identity.*"
+                       r"frozen dataclass.*"
                        r"Received: cfg=<test_compiled_keys"):
         model.predict(X, cfg=Cfg(), verbose=0)
     with pytest.raises(TypeError, match=r"Received: cfg=\(1, \[2\]\)$"):
         model.predict(X, cfg=(1, [2]), verbose=0)  # the value passed, not its item
-    for value in (frozenset({"a"}), b"a", 1j, ("a", frozenset({1}))):
+    for value in (frozenset({"a"}), b"a", 1j, ("a", frozenset({1})), np.dtype("float32"),
+                  keras.activations.relu, keras.layers.Dense):
         np.testing.assert_array_equal(model.predict(X, cfg=value, verbose=0), X)
+
+
+def test_values_hashed_by_value_are_keys_by_value():
+    import collections
+    import dataclasses
+
+    @dataclasses.dataclass(frozen=True)
+    class Frozen:  # hashed by value: equal configs, one key
+        factor: float
+
+    class Rounded(float):  # its own repr rounds: the key is the float's
+        def __repr__(self):
+            return f"{float(self):.1f}"
+
+    traces = []
+
+    @cs.context_args("cfg")
+    class Counted(keras.layers.Layer):
+        def call(self, x, cfg=None):
+            traces.append(1)
+            return x if cfg is None else x * float(getattr(cfg, "factor", cfg))
+
+    model = cs.Sequential([keras.Input((2,)), Counted(name="counted")], name="seq")
+    model.register_context_args("cfg")
+    for value, factor in ((Frozen(3.0), 3.0), (Frozen(3.0), 3.0), (Frozen(4.0), 4.0),
+                          (Rounded(2.01), 2.01), (Rounded(2.02), 2.02)):
+        np.testing.assert_allclose(model.predict(X, cfg=value, verbose=0), X * factor,
+                                   rtol=1e-6)
+    # A namedtuple class made per call is one key by its name and fields (its
+    # class object was a key each call: a trace per call, evicted past the bound).
+    for _ in range(3):
+        value = collections.namedtuple("Cfg", "factor")(5.0)
+        np.testing.assert_allclose(model.predict(X, cfg=value, verbose=0), X * 5.0)
+    if BACKEND != "torch":  # (torch runs `call` eagerly every step)
+        before = len(traces)
+        for value in (Frozen(3.0), Rounded(2.02), collections.namedtuple("Cfg", "factor")(5.0)):
+            model.predict(X, cfg=value, verbose=0)
+        assert len(traces) == before

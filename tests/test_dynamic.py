@@ -73,6 +73,15 @@ def test_a_dynamic_value_keeps_its_first_shape():
         model.predict(X, temperature=np.ones(3), verbose=0)
 
 
+def test_a_bfloat16_dynamic_value_is_a_number():
+    # Its numpy kind is 'V' (ml_dtypes): a check for numbers must take it.
+    model = _model([])
+    base = model.predict(X, verbose=0)
+    half = keras.ops.convert_to_tensor(np.float32(2.0), dtype="bfloat16")
+    np.testing.assert_allclose(model.predict(X, temperature=half, verbose=0), base / 2.0,
+                               rtol=1e-6)
+
+
 @pytest.mark.parametrize("first, later, error, problem", [
     (1, 0.5, TypeError, "a float64 value cannot be held as int"),
     (np.int32(1), 2**40, ValueError, "the value does not fit in int32"),

@@ -160,13 +160,10 @@ class Engine(CaptureMixin):
         """The hidden variable of dynamic `name` (made at its first value), and the
         value as an array of its dtype and shape."""
         state = self._cs
-        array = np.asarray(keras.ops.convert_to_numpy(value))
-        if array.dtype.kind not in "biuf":  # (a str, a dict, a list holding None)
-            raise TypeError(
-                f"Dynamic context argument `{name}` takes a number, a bool or an array "
-                "of them: it reaches layers as a tensor. For strings and other Python "
-                "values, register a static name (`model.register_context_args(name)`), "
-                f"one compiled function per value. Received: {name}={_keys.shown(value)}")
+        if not _keys.is_tensor_like(value):  # (a str, a dict, a list holding None)
+            _check_numbers(name, value, np.asarray(value))
+        array = _as_numpy(value)
+        _check_numbers(name, value, array)
         with state.lock:
             variable = state.dynamic.get(name)
             if variable is None:
@@ -473,6 +470,29 @@ def _keras_method_parameters(cls, method) -> set[str] | None:
             names = None
         _PARAMETER_CACHE[key] = names
     return _PARAMETER_CACHE[key]
+
+
+def _as_numpy(value) -> np.ndarray:
+    """`keras.ops.convert_to_numpy(value)`, a TF bfloat16 tensor included (keras
+    3.15.1's TF `convert_to_numpy` is `np.array(x)`, which numpy refuses for it;
+    the tensor's own `.numpy()` gives an ml_dtypes array)."""
+    try:
+        return np.asarray(keras.ops.convert_to_numpy(value))
+    except ValueError:
+        if not hasattr(value, "numpy"):
+            raise
+        return np.asarray(value.numpy())
+
+
+def _check_numbers(name: str, value, array: np.ndarray) -> None:
+    """Raises unless dynamic `name`'s value is numbers (bfloat16's numpy kind is
+    'V', ml_dtypes')."""
+    if array.dtype.kind in "USOMm":
+        raise TypeError(
+            f"Dynamic context argument `{name}` takes a number, a bool or an array of "
+            "them: it reaches layers as a tensor. For strings and other Python values, "
+            "register a static name instead, one compiled function per value. "
+            f"Received: {name}={_keys.shown(value)} (numpy dtype {array.dtype})")
 
 
 def _held_as(name: str, array: np.ndarray, dtype: np.dtype) -> np.ndarray:

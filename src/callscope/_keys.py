@@ -22,6 +22,7 @@ import math
 import os
 import sys
 import threading
+import types
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -30,11 +31,12 @@ import keras
 import numpy as np
 
 STATIC_TYPES = (bool, int, float, str, type(None))
-# Values that never change, keyed by their type and value (besides STATIC_TYPES'
-# subclasses, enum.IntEnum members among them): tuples and frozensets of statics.
-_IMMUTABLE = (bytes, complex, enum.Enum)
-_STATIC_KINDS = ("a bool, int, float, str, None, an Enum member, or a tuple (a namedtuple "
-                 "too) of these")
+# Objects hashed by identity that never change as a key sees them: Enum members,
+# functions and classes (keyed as Python code is, by identity).
+_BY_IDENTITY = (enum.Enum, types.FunctionType, type)
+_STATIC_KINDS = ("a bool, int, float, str, None, an Enum member, a function or class, "
+                 "an object hashed by value (a frozen dataclass), or a tuple (a namedtuple "
+                 "too) or frozenset of these")
 DYNAMIC = ("dynamic",)  # stands for a dynamic value in a key
 KINDS = ("train", "test", "predict")
 
@@ -57,7 +59,7 @@ def check_static(name: str, value: Any, registered: str = "", whole: Any = None)
         return
     given = value if whole is None else whole
     known = f" (the model's context arguments: {registered})" if registered else ""
-    if is_tensor_like(value):
+    if is_tensor_like(value) and hasattr(value, "shape"):  # (not a torch.dtype)
         raise TypeError(
             f"Context argument `{name}` is static{known}: each distinct value gets its "
             f"own compiled function, so it must be {_STATIC_KINDS}, not a tensor or "
@@ -80,8 +82,8 @@ def check_static(name: str, value: Any, registered: str = "", whole: Any = None)
             f"`model.register_context_args({name!r}, dynamic=True)`. "
             f"Received: {name}={shown(given)}"
         )
-    if isinstance(value, STATIC_TYPES + _IMMUTABLE):
-        return
+    if isinstance(value, STATIC_TYPES + _BY_IDENTITY) or is_tensor_like(value):
+        return  # (the latter: a framework's constant, `torch.float32`)
     try:
         hash(value)
     except TypeError:
@@ -91,13 +93,16 @@ def check_static(name: str, value: Any, registered: str = "", whole: Any = None)
             "list, or register the name with `dynamic=True` for numbers and arrays. "
             f"Received: {name}={shown(given)}"
         ) from None
+    if type(value).__hash__ is not object.__hash__:
+        return  # hashed by value: equal values, one key
     raise TypeError(
         f"Context argument `{name}` is static{known}: its value selects a compiled "
-        f"function by type and value, so it must be {_STATIC_KINDS}, values that never "
-        f"change. A {type(value).__name__} object may change after it was traced and "
-        "still select the function traced for its first state. Pass the values it holds (a "
-        "tuple or namedtuple of them), or register the name with `dynamic=True` for "
-        f"numbers and arrays. Received: {name}={shown(given)}"
+        f"function by type and value, so it must be {_STATIC_KINDS}. A value of type "
+        f"{type(value).__name__} is hashed by identity: changed after its trace, it "
+        "would still select the function traced for its first state. Give its class "
+        "value equality and a hash (a frozen dataclass), or pass the values it holds "
+        "as a tuple or namedtuple, or register the name with `dynamic=True` for numbers "
+        f"and arrays. Received: {name}={shown(given)}"
     )
 
 
@@ -125,12 +130,21 @@ def freeze(value: Any) -> Any:
     (equal, yet `copysign`, `1 / x` and `atan2` tell them apart)."""
     kind = type(value)
     if isinstance(value, tuple):
+        fields = getattr(kind, "_fields", None)
+        if fields is not None:  # a namedtuple: by its name and fields, as a class
+            # made per call (`namedtuple("Cfg", "a b")(1, 2)`) is the same key
+            kind = (_NAMEDTUPLE, kind.__module__, kind.__qualname__, tuple(fields))
         return (kind, tuple(freeze(v) for v in value))
     if isinstance(value, frozenset):
         return (kind, frozenset(freeze(v) for v in value))
-    if isinstance(value, float | complex):
-        return (kind, repr(value))  # (-0.0, -0j: what `==` merges, repr tells apart)
+    if isinstance(value, float):  # (-0.0: what `==` merges, repr tells apart)
+        return (kind, float.__repr__(value))  # (not a subclass's own, which may round)
+    if isinstance(value, complex):
+        return (kind, complex.__repr__(value))
     return (kind, value)
+
+
+_NAMEDTUPLE = "namedtuple"  # a frozen namedtuple's kind: (_NAMEDTUPLE, module, name, fields)
 
 
 def static_key(values: dict, static: set) -> tuple:
@@ -150,14 +164,16 @@ def _said(frozen: tuple) -> str:
     if frozen == DYNAMIC:
         return "<dynamic>"
     kind, value = frozen
+    if isinstance(kind, tuple):  # a namedtuple
+        fields = ", ".join(f"{f}={_said(v)}" for f, v in zip(kind[3], value))
+        return f"{kind[2].rpartition('.')[2]}({fields})"
     if issubclass(kind, float | complex):
         return value  # (its repr)
     if issubclass(kind, tuple | frozenset):
         items = ", ".join(_said(item) for item in value)
         if issubclass(kind, frozenset):
-            return f"frozenset({{{items}}})"
-        items += "," if len(value) == 1 else ""
-        return f"({items})" if kind is tuple else f"{kind.__name__}({items})"
+            return f"frozenset({{{items}}})" if value else "frozenset()"
+        return f"({items}{',' if len(value) == 1 else ''})"
     return repr(value)
 
 
