@@ -49,20 +49,21 @@ def is_tensor_like(value: Any) -> bool:
     )
 
 
-def check_static(name: str, value: Any, registered: str = "", whole: Any = None) -> None:
+def check_static(name: str, value: Any, registered: Callable[[], str] | None = None,
+                 whole: Any = None) -> None:
     """Raises a clear error unless `value` can be part of a compiled-function key.
-    `registered` lists the model's context arguments for the message; `whole` is
-    the value passed, where `value` is an item of it."""
+    `registered()` lists the model's context arguments for the message (called
+    only for one: this runs for every static value of every call); `whole` is the
+    value passed, where `value` is an item of it."""
     # The plain types first: a compiled torch step checks the values again, and
     # dynamo cannot trace `is_tensor_like`'s `str.split` of a module name.
     if type(value) in STATIC_TYPES and not (isinstance(value, float) and math.isnan(value)):
         return
     given = value if whole is None else whole
-    known = f" (the model's context arguments: {registered})" if registered else ""
     if is_tensor_like(value) and hasattr(value, "shape"):  # (not a torch.dtype)
         raise TypeError(
-            f"Context argument `{name}` is static{known}: each distinct value gets its "
-            f"own compiled function, so it must be {_STATIC_KINDS}, not a tensor or "
+            f"Context argument `{name}` is static{_known(registered)}: each distinct value "
+            f"gets its own compiled function, so it must be {_STATIC_KINDS}, not a tensor or "
             "array (a tensor would retrace on every call). To pass numbers or arrays "
             f"that change without retracing, register it with "
             f"`model.register_context_args({name!r}, dynamic=True)`"
@@ -89,14 +90,14 @@ def check_static(name: str, value: Any, registered: str = "", whole: Any = None)
     except TypeError:
         raise TypeError(
             f"Context argument `{name}` must be hashable ({_STATIC_KINDS}), because "
-            f"its value selects a compiled function{known}. Pass a tuple instead of a "
+            f"its value selects a compiled function{_known(registered)}. Pass a tuple instead of a "
             "list, or register the name with `dynamic=True` for numbers and arrays. "
             f"Received: {name}={shown(given)}"
         ) from None
     if type(value).__hash__ is not object.__hash__:
         return  # hashed by value: equal values, one key
     raise TypeError(
-        f"Context argument `{name}` is static{known}: its value selects a compiled "
+        f"Context argument `{name}` is static{_known(registered)}: its value selects a compiled "
         f"function by type and value, so it must be {_STATIC_KINDS}. A value of type "
         f"{type(value).__name__} is hashed by identity: changed after its trace, it "
         "would still select the function traced for its first state. Give its class "
@@ -104,6 +105,10 @@ def check_static(name: str, value: Any, registered: str = "", whole: Any = None)
         "as a tuple or namedtuple, or register the name with `dynamic=True` for numbers "
         f"and arrays. Received: {name}={shown(given)}"
     )
+
+
+def _known(registered: Callable[[], str] | None) -> str:
+    return f" (the model's context arguments: {registered()})" if registered else ""
 
 
 def shown(value: Any) -> str:

@@ -153,7 +153,7 @@ class ContextMixin(Engine, _keras_compat.LossHook, *_JAX_HOOKS):
             if value is None:
                 continue
             if name in state.static:
-                _keys.check_static(name, value, _registered(state))
+                _keys.check_static(name, value, lambda: _registered(state))
             values[name] = value
         return values
 
