@@ -77,6 +77,61 @@ def run(model):
     return out
 
 
+@cs.context_args("temperature")
+class Scale(keras.layers.Layer):
+    def call(self, x, temperature=None):
+        return x if temperature is None else x * temperature
+
+
+def build_scaled():
+    keras.utils.set_random_seed(0)
+    model = cs.Sequential([keras.Input((2,)), keras.layers.Dense(1, name="dense"),
+                           Scale(name="scale")], name="seq")
+    model.register_context_args("temperature", dynamic=True)
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    return model
+
+
+def hidden_state(model):
+    """callscope's own variables (a dynamic value's, a batch patch's row offset),
+    made after functions were compiled: under a JAX distribution those functions
+    fixed one output sharding per variable (they failed: "pytree structure
+    error ... out_shardings"). And a layer's 0-d argument, the value itself,
+    recorded once per batch, not once per replica."""
+    out = {"plain": model.predict(X, batch_size=8, verbose=0).tolist()}
+    model.evaluate(X, Y, batch_size=8, verbose=0)
+    out["warm"] = model.predict(X, batch_size=8, temperature=2.0, verbose=0).tolist()
+    out["plain_after"] = model.predict(X, batch_size=8, verbose=0).tolist()
+    out["evaluate_after"] = float(model.evaluate(X, Y, batch_size=8, verbose=0))
+    with cs.capture(model, "seq/scale", kinds=("input",)) as cap:
+        model.predict(X, batch_size=8, temperature=3.0, verbose=0)
+    out["scale_inputs"] = arrays(cap)
+    if ENGINE == "jax":
+        with cs.patch(model, {"seq/dense": np.ones((16, 1), "float32")}):
+            out["batch_patched"] = model.predict(X, batch_size=8, verbose=0).tolist()
+        out["plain_after_patch"] = model.predict(X, batch_size=8, verbose=0).tolist()
+    return out
+
+
+def first_value_during_fit(model):
+    """The first dynamic value given by a callback while `fit` runs."""
+    out = {}
+    before = [np.asarray(keras.ops.convert_to_numpy(w)) for w in model.weights]
+    callback = keras.callbacks.LambdaCallback(
+        on_epoch_end=lambda epoch, logs: model.predict(X, temperature=2.0, verbose=0))
+    try:
+        model.fit(X, Y, epochs=2, batch_size=8, verbose=0, callbacks=[callback])
+        out["error"] = None
+    except RuntimeError as e:
+        out["error"] = str(e)
+    after = [np.asarray(keras.ops.convert_to_numpy(w)) for w in model.weights]
+    out["trained"] = any(not np.allclose(a, b) for a, b in zip(before, after))
+    out["finite"] = all(np.isfinite(a).all() for a in after)
+    out["predict"] = model.predict(X, batch_size=8, temperature=2.0, verbose=0).tolist()
+    out["weights"] = [a.tolist() for a in after]
+    return out
+
+
 def arrays(cap):
     return {k: np.asarray(v).tolist() for k, v in cap.items()}
 
@@ -196,12 +251,15 @@ def synchronized_bn(strategy):
     return out
 
 
-results = {"single": run(build())}
+results = {"single": run(build()), "single_hidden": hidden_state(build_scaled()),
+           "single_first_in_fit": first_value_during_fit(build_scaled())}
 if ENGINE == "jax":
     devices = keras.distribution.list_devices("cpu")
     results["devices"] = len(devices)
     keras.distribution.set_distribution(keras.distribution.DataParallel(devices=devices))
     results["distributed"] = run(build())
+    results["distributed_hidden"] = hidden_state(build_scaled())
+    results["distributed_first_in_fit"] = first_value_during_fit(build_scaled())
     keras.distribution.set_distribution(None)
 else:
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
@@ -225,6 +283,9 @@ else:
     with strategy.scope():
         model = build(run_eagerly=True)
     results["eager_distributed_train_test"] = train_test(model)
+    with strategy.scope():
+        model = build_scaled()
+    results["distributed_hidden"] = hidden_state(model)
     results["handover"] = handover(strategy)
     results["synchronized_bn"] = synchronized_bn(strategy)
     with strategy.scope():  # stock Keras, the same validation run eagerly

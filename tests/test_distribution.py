@@ -63,9 +63,37 @@ def test_jax_data_parallel_on_four_cpu_devices_matches_one_device():
     results = _run_worker("jax")
     assert results["devices"] == 4
     _assert_same_as_single_device(results)
+    _assert_hidden_state_as_on_one_device(results)
+    # The first dynamic value given while fit runs: on one device it is made
+    # there; under the distribution it is refused (fit's compiled step fixed its
+    # output shardings), and fit stops with its weights, not without any.
+    single, dist = results["single_first_in_fit"], results["distributed_first_in_fit"]
+    assert single["error"] is None
+    assert dist["error"].startswith("callscope needs a variable for the first value of "
+                                    "`temperature` of `seq`, and under a JAX "
+                                    "keras.distribution")
+    assert dist["error"].endswith("Received: 1 call(s) of the model running")
+    assert dist["trained"] and dist["finite"]
+    np.testing.assert_allclose(np.asarray(dist["predict"]).shape, (16, 1))
     for key, value in results["single"]["capture_fit"].items():
         np.testing.assert_allclose(results["distributed"]["capture_fit"][key], value,
                                    rtol=1e-4, atol=1e-6)
+
+
+def _assert_hidden_state_as_on_one_device(results):
+    single, dist = results["single_hidden"], results["distributed_hidden"]
+    expected = np.asarray(single["plain"])
+    for key in ("plain", "plain_after", "plain_after_patch"):
+        if key in dist:
+            np.testing.assert_allclose(dist[key], expected, rtol=1e-5)
+    np.testing.assert_allclose(dist["warm"], expected * 2.0, rtol=1e-5)
+    assert dist["evaluate_after"] == pytest.approx(single["evaluate_after"], rel=1e-5)
+    # The value itself, one row per batch (two batches), as on one device: under
+    # two TF replicas it was one row per replica.
+    assert single["scale_inputs"]["seq/scale:input/temperature"] == [3.0, 3.0]
+    _assert_all_close(dist["scale_inputs"], single["scale_inputs"])
+    if "batch_patched" in single:
+        np.testing.assert_allclose(dist["batch_patched"], single["batch_patched"], rtol=1e-5)
 
 
 def _close(actual, desired, rtol=1e-5):
@@ -144,6 +172,7 @@ def test_tf_mirrored_strategy_matches_one_device():
     results = _run_worker("tensorflow")
     assert results["devices"] == 2
     _assert_same_as_single_device(results)
+    _assert_hidden_state_as_on_one_device(results)
     for key, value in results["single"]["capture_fit"].items():
         _close(results["distributed"]["capture_fit"][key], value, rtol=1e-4)
     # Each replica function is traced in its own thread; each saw the value.

@@ -944,3 +944,132 @@ def test_a_variable_sown_as_it_is_has_no_gradient_of_its_own():
     out = X @ kernel + bias
     np.testing.assert_allclose(cap["m/k/kernel:grad"], X.T @ (2 * (out - Y) / len(X)),
                                rtol=1e-4, atol=1e-6)
+
+
+# --------------------------------------------------------------------------
+# 7. What `loss_fn` may be, alike on every backend
+# --------------------------------------------------------------------------
+@pytest.mark.parametrize("returns, message", [
+    (lambda loss, out: keras.ops.subtract(out, Y), "differentiates a scalar loss"),  # TF: sum
+    (lambda loss, out: (loss,), "Received: a tuple of 1 items"),         # TF/torch: IndexError
+    (lambda loss, out: [loss, out], "Received: a list of 2 items"),
+    (lambda loss, out: (loss, out, out), "Received: a tuple of 3 items"),
+])
+def test_intermediate_grads_refuses_a_loss_fn_that_returns_no_scalar_loss(returns, message):
+    model = _model()
+    fn, args = _mse_fn(model)
+
+    def returning(*args):
+        out = model(X) if BACKEND != "jax" else model.stateless_call(
+            args[0], [v.value for v in model.non_trainable_variables], args[1])[0]
+        return returns(fn(*args), out)
+
+    with pytest.raises(ValueError, match=message):
+        cs.intermediate_grads(model, returning, *args, select="*d1")
+    result = cs.intermediate_grads(model, lambda *a: (fn(*a), 7), *args, select="*d1")
+    assert result.aux == 7
+    np.testing.assert_allclose(_one(result.grads, "d1:grad"), _reference(model)["d1"],
+                               rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="jax.vmap and jax.jit around the model")
+@pytest.mark.parametrize("around", ["vmap", "jit", "jit_traced_before"])
+def test_jax_intermediate_grads_refuses_a_model_run_inside_a_transformation(around):
+    """A model called under jax.vmap (per-example gradients) recorded a (1, 4)
+    gradient summed over the examples and leaked its tracers; under a jax.jit,
+    every gradient read 0 (JAX reused the jit's trace in the second run)."""
+    import jax
+
+    model = _model()
+    fn, (tv, x) = _mse_fn(model)
+    ntv = [v.value for v in model.non_trainable_variables]
+    if around == "vmap":
+        def loss_fn(tv, x):
+            per_row = jax.vmap(lambda row: model.stateless_call(tv, ntv, row[None])[0][0])(x)
+            return keras.ops.mean(keras.ops.square(per_row - Y))
+    else:
+        loss_fn = jax.jit(fn)
+        if around == "jit_traced_before":
+            loss_fn(tv, x)
+    if around == "jit_traced_before":  # JAX runs none of the model's Python
+        with pytest.raises(ValueError, match="not inside a jax.vmap, a loop, or a jax.jit"):
+            cs.intermediate_grads(model, loss_fn, tv, x, select="m/d1")
+    else:
+        with pytest.raises(cs.LoopPointError, match="a jax.vmap or jax.jit of the model's"):
+            cs.intermediate_grads(model, loss_fn, tv, x, select="m/d1")
+        with pytest.raises(ValueError, match="only inside a loop body or a transformation"):
+            cs.intermediate_grads(model, loss_fn, tv, x, select="*")  # a glob: left out
+    # Called directly, the same loss is differentiated.
+    result = cs.intermediate_grads(model, fn, tv, x, select="*d1")
+    np.testing.assert_allclose(_one(result.grads, "d1:grad"), _reference(model)["d1"],
+                               rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="torch.no_grad")
+def test_torch_intermediate_grads_works_inside_no_grad():
+    import torch
+
+    model = _model()
+    fn, args = _mse_fn(model)
+    with torch.no_grad():  # an evaluation loop
+        result = cs.intermediate_grads(model, fn, *args, select="*d1")
+    np.testing.assert_allclose(_one(result.grads, "d1:grad"), _reference(model)["d1"],
+                               rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("method", ["evaluate", "test_on_batch"])
+def test_a_loss_that_depends_on_no_selected_point_of_a_frozen_model_reads_zeros(method):
+    """torch raised its own "does not require grad" error where the loss had no
+    graph (no trainable weight, no selected point on its path)."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((3,))
+    model = cs.Model(inputs, {"a": keras.layers.Dense(1, name="a")(inputs),
+                              "b": keras.layers.Dense(1, name="b")(inputs)}, name="m")
+    model.trainable = False
+    model.compile(optimizer="sgd", loss={"a": "mse", "b": None})
+    with cs.capture(model, ["m/a", "m/b"], kinds=("grad",)) as grads:
+        if method == "evaluate":
+            model.evaluate(X, {"a": Y, "b": Y}, batch_size=len(X), verbose=0)
+        else:
+            model.test_on_batch(X, {"a": Y, "b": Y})
+    np.testing.assert_array_equal(grads["m/b:grad"], np.zeros((len(X), 1), "float32"))
+    w, b = _weights(model, "a")
+    np.testing.assert_allclose(grads["m/a:grad"], 2 * (X @ w + b - Y) / len(X),
+                               rtol=1e-5, atol=1e-7)
+    with cs.capture(model, ["m/b"], kinds=("grad",)) as only_b:
+        model.test_on_batch(X, {"a": Y, "b": Y})
+    np.testing.assert_array_equal(only_b["m/b:grad"], np.zeros((len(X), 1), "float32"))
+
+
+@pytest.mark.skipif(BACKEND == "jax", reason="JAX refuses custom train_steps with grads")
+def test_a_custom_step_that_runs_the_model_after_its_loss_gives_each_run_a_gradient():
+    """torch filed the gradients at the loss and dropped the later run's sources:
+    `net/d1:grad` beside `net/d1@0:output` and `net/d1@1:output`."""
+
+    class Twice(cs.Sequential):
+        def train_step(self, *args):
+            x, y = args[0][:2] if isinstance(args[0], tuple) else args[:2]
+            if BACKEND == "tensorflow":
+                import tensorflow as tf
+
+                with tf.GradientTape() as tape:
+                    loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
+                self.optimizer.apply_gradients(
+                    zip(tape.gradient(loss, self.trainable_variables),
+                        self.trainable_variables))
+            else:
+                self.zero_grad()
+                loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
+                loss.backward()
+                self.optimizer.apply([v.value.grad for v in self.trainable_variables],
+                                     self.trainable_variables)
+            self(x)  # again, after the loss: for a metric, say
+            return {"loss": loss}
+
+    model = _model(Twice)
+    with cs.capture(model, "m/d1", kinds=("output", "grad")) as cap:
+        model.train_on_batch(X, Y)
+    assert sorted(cap) == ["m/d1@0:grad", "m/d1@0:output", "m/d1@1:grad", "m/d1@1:output"]
+    np.testing.assert_allclose(cap["m/d1@0:grad"], _reference(model)["d1"], rtol=1e-5,
+                               atol=1e-7)
+    np.testing.assert_array_equal(cap["m/d1@1:grad"], np.zeros((len(X), 4), "float32"))

@@ -350,8 +350,9 @@ def test_distributed_captures_match_one_device():
     if BACKEND == "tensorflow":
         # The replicas each saw their own rows: no one-device value to record.
         for message in results["disagreeing"].values():
-            assert ("`seq/block/row_mean` is sown with batch_axis=None, but the replicas of "
-                    "tf.distribute computed different values for it") in message
+            assert ("`seq/block/row_mean` has no batch axis (sown with batch_axis=None, "
+                    "or a layer's 0-d argument), but the replicas of tf.distribute "
+                    "computed different values for it") in message
             assert "Received: points=['seq/block/row_mean']" in message
         # The host raised, not the step: the other replicas' collective ops were not
         # cancelled, and training goes on (with one weight update more: the step ran).

@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import threading
+import uuid
 from collections.abc import Callable, Mapping
 
 import numpy as np
@@ -83,9 +84,18 @@ class Capture(Mapping):
         self.log = log
         self.calls: list[_sinks.Call] = []
         self._dir = os.fspath(to) if to is not None else None
+        if self._dir == "":
+            raise ValueError(
+                "cs.capture(to=...) got an empty path, which would stream into (and "
+                "with overwrite=True empty) the working directory. Give the directory "
+                "to write, or leave `to` out to capture in memory. Received: to=''")
+        self._id: str | None = None  # its files' owner (`_sinks.OWNER`)
         self._token = None
+        self._closed = False
         self._claim: str | None = None  # the directory, claimed while the scope is open
-        self._lock = threading.Lock()  # calls may start in copied contexts' threads
+        # Calls may start in copied contexts' threads; the scope's exit waits for
+        # theirs (`_begin`, `__exit__`).
+        self._lock = threading.Condition()
 
     def _begin(self, method: str, runs: tuple) -> _sinks.Call:
         """A new call's sink (called by the model when a call starts). `runs` are
@@ -95,11 +105,34 @@ class Capture(Mapping):
         a capture opened inside a callback reads the calls it saw as its own."""
         with self._lock:
             nested = self._records(runs)
+            if self._closed and not nested:
+                raise RuntimeError(
+                    f"A `{method}` call of `{self.model.name}` started in a context "
+                    "copied inside a cs.capture scope (`contextvars.copy_context()`) "
+                    "after that scope closed: its values would reach a capture that is "
+                    "complete (and, with `to=`, whose index is written). Make the call "
+                    "before the scope closes, or open a capture in that thread. "
+                    f"Received: a call after the capture of {self.spec.select!r} closed")
             directory = (None if self._dir is None
                          else os.path.join(self._dir, f"call_{len(self.calls):03d}"))
-            call = _sinks.Call(self.spec, method, nested, directory)
+            call = _sinks.Call(self.spec, method, nested, directory, self._id)
+            # The capture's condition, not the capture: a call referring to its
+            # capture would keep both, and its host buffers, alive until a
+            # garbage collection (its buffers could not serve the next capture).
+            call._thread, call._ended = threading.get_ident(), self._lock
             self.calls.append(call)
         return call
+
+    def _wait_for_other_threads(self) -> None:
+        """Waits for the calls recorded by this capture that run in other threads
+        (started in contexts copied inside the scope), so that the capture is
+        complete, and its index counts their rows, when the scope exits. Not for
+        this thread's: the scope's own calls have returned, and a call still
+        running here is the one whose callback closes the scope."""
+        me = threading.get_ident()
+        with self._lock:
+            self._lock.wait_for(lambda: not any(
+                c._landing is not None and c._thread != me for c in self.calls))
 
     def _records(self, runs: tuple) -> bool:
         """Whether this capture records one of `runs`."""
@@ -153,6 +186,7 @@ class Capture(Mapping):
             # Absolute from here: a later `os.chdir` must not move the files.
             self._dir = os.path.abspath(self._dir)
             try:
+                self._made = not os.path.exists(self._dir)
                 self._open_directory()
             except BaseException:
                 _claimed.release(self._claim)
@@ -172,9 +206,8 @@ class Capture(Mapping):
                 f"a new or empty directory. Received: to={self._dir!r}"
             )
         os.makedirs(self._dir, exist_ok=True)
-        if self._overwrite and first and os.listdir(self._dir):
-            shutil.rmtree(self._dir)
-            os.makedirs(self._dir, exist_ok=True)
+        if self._overwrite and first:
+            empty_directory(self._dir)
         if not self._overwrite and os.listdir(self._dir):
             raise FileExistsError(
                 f"`{self._dir}` already holds a capture or other files: cs.capture(to=...) "
@@ -183,21 +216,45 @@ class Capture(Mapping):
                 f"Received: to={self._dir!r}"
             )
         _backend.barrier(f"callscope-capture-open:{self._dir}")
+        # The files' owner: a capture (or `load_capture`) whose directory was
+        # emptied and written again by a later capture reads the owner's name,
+        # not the later capture's files, which reuse the same names.
+        owner = os.path.join(self._dir, _sinks.OWNER)
+        if first:
+            _write_json(owner, uuid.uuid4().hex)
+        _backend.barrier(f"callscope-capture-owner:{self._dir}")
+        self._id = _sinks.owner_of(self._dir)
 
     def __exit__(self, exc_type, exc, tb) -> None:
         try:
             _scope.exit_capture(self._token)
-            self._write_index(complete=exc_type is None)
+            with self._lock:
+                self._closed = True
+            self._wait_for_other_threads()
+            nothing = bool(self.calls) and not any(len(c) for c in self.calls)
+            if (self._dir is not None and (exc_type is not None or nothing)
+                    and _backend.process_index()[1] == 1
+                    and not any(c._files for c in self.calls)):
+                self._leave_directory()  # as found: the same `to=` works next time
+            else:
+                self._write_index(complete=exc_type is None)
         finally:
             if self._claim is not None:
                 _claimed.release(self._claim)
-        if exc_type is None and self.calls and not any(len(c) for c in self.calls):
+        if exc_type is None and nothing:
             raise ValueError(self._nothing_matched())
+
+    def _leave_directory(self) -> None:
+        """A scope that raised, or selected nothing, before writing any file leaves
+        its directory as it found it (empty, or not there), not as a capture."""
+        empty_directory(self._dir)
+        if self._made:
+            os.rmdir(self._dir)
 
     def _write_index(self, complete: bool = True) -> None:
         if self._dir is None:
             return
-        index = {"calls": [{"method": c.method, "nested": c.nested,
+        index = {"owner": self._id, "calls": [{"method": c.method, "nested": c.nested,
                             "dir": os.path.basename(c._dir), "files": c._files}
                            for c in self.calls]}
         me, processes = _backend.process_index()
@@ -271,6 +328,17 @@ def _no_kind(matched: list[str], seen: Mapping[str, str], wanted, kinds) -> str:
     )
 
 
+def empty_directory(path: str) -> None:
+    """Deletes what `path` holds, keeping the directory itself (its mode, a link
+    to it, `.`, a mount point)."""
+    for name in os.listdir(path):
+        item = os.path.join(path, name)
+        if os.path.isdir(item) and not os.path.islink(item):
+            shutil.rmtree(item)
+        else:
+            os.remove(item)
+
+
 def _write_json(path: str, value) -> None:
     with open(path + ".tmp", "w") as f:
         json.dump(value, f, indent=1)
@@ -330,7 +398,7 @@ def load_capture(path: str | os.PathLike) -> Capture:
     capture = Capture(None, spec, path)
     for item in index["calls"]:
         call = _sinks.Call(spec, item["method"], item["nested"],
-                           os.path.join(path, item["dir"]))
+                           os.path.join(path, item["dir"]), index.get("owner"))
         call._files = item["files"]
         capture.calls.append(call)
     return capture

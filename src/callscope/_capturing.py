@@ -142,14 +142,14 @@ class CaptureMixin:
         calls = tuple(c._begin("__call__", runs) for c in captures)
         run = Run(self, "__call__", self._cs_table().default, (), calls, patches, nested,
                   host=_sinks.Landing(calls) if calls else None)
-        with _scope.running(run):
-            with _record.collecting_for(specs) as collector, \
-                    _record.patching(patches) as active:
-                outputs = invoke()
-                sown = collector.finalize()
-            self._cs_note_points(collector, active, _scope.Later(hits := set()))
-        self._cs_check_reached(run, hits)
-        try:
+        try:  # the run ends whatever happens: a capture's exit waits for its calls
+            with _scope.running(run):
+                with _record.collecting_for(specs) as collector, \
+                        _record.patching(patches) as active:
+                    outputs = invoke()
+                    sown = collector.finalize()
+                self._cs_note_points(collector, active, _scope.Later(hits := set()))
+            self._cs_check_reached(run, hits)
             run.sink("call", sown)
         except BaseException as error:
             run.end(error)

@@ -174,7 +174,7 @@ class Engine(CaptureMixin):
                 with scope:
                     variable = keras.Variable(first, trainable=False,
                                               name=f"callscope_{name}")
-                _keras_compat.add_hidden_state(self, variable)
+                self._cs_add_hidden_state(variable, f"the first value of `{name}`", 0)
                 state.dynamic[name] = variable
         if tuple(variable.shape) != array.shape:
             raise ValueError(
@@ -183,6 +183,29 @@ class Engine(CaptureMixin):
                 f"that shape. Received: {name} with shape {array.shape}"
             )
         return variable, _held_as(name, array, np.dtype(variable.dtype))
+
+    def _cs_add_hidden_state(self, variable, what: str, own: int) -> None:
+        """Adds callscope's `variable` to the model's state (`own`: the calls of
+        this one that hold a key already). Under a JAX `keras.distribution`, Keras
+        fixes each compiled step's output shardings, one per state variable, when
+        it makes the step: every function made before then is made again, and a
+        call running one (another thread's, or the `fit` whose callback this is)
+        would fail on it, after its weights were taken out of the variables, so the
+        variable is refused there."""
+        distributed = _JAX and keras.distribution.distribution() is not None
+        table = self._cs_table()
+        if distributed and table.users() > own:
+            raise RuntimeError(
+                f"callscope needs a variable for {what} of `{self.name}`, and under a "
+                "JAX keras.distribution a variable added while another call of the "
+                "model runs (here, or in another thread: a `fit` whose callback this "
+                "call is) breaks that call's compiled step, whose output shardings "
+                "Keras fixed when it made it. Make one call with it before that call "
+                "starts (e.g. a `predict` on one batch before `fit`). Received: "
+                f"{table.users() - own} call(s) of the model running")
+        _keras_compat.add_hidden_state(self, variable)
+        if distributed:
+            table.clear()
 
     def _cs_scopes(self) -> tuple[tuple, tuple]:
         """The caller's open captures and patches of this model or of a callscope
@@ -247,21 +270,22 @@ class Engine(CaptureMixin):
                       _keras_compat.replicas(self) > 1, self._cs_row_offset(method, patches),
                       tuple(c.spec for c in captures if c.spec.finds_ranges()),
                       _sinks.Landing(calls) if calls else None)
-            logging = next((i for i, c in enumerate(captures) if c.log), None)
-            first = ()  # callscope's own callbacks, before the user's
-            if method == "fit" and logging is not None:
-                user = kwargs.get("callbacks")
-                if isinstance(user, keras.callbacks.CallbackList):
-                    # The user's list keeps its own progress bar (or none).
-                    first = (EpochStatistics(calls[logging], user.callbacks, progress=False),)
-                else:
-                    user = list(user or [])
-                    first = (EpochStatistics(calls[logging], user),)
-            gates = state.gates(method)
-            if (gates or first) and method in ("fit", "evaluate", "predict"):
-                kwargs["callbacks"] = with_gate_callbacks(kwargs.get("callbacks"), gates, self,
-                                                          first)
-            try:
+            try:  # the run ends whatever happens: a capture's exit waits for its calls
+                logging = next((i for i, c in enumerate(captures) if c.log), None)
+                first = ()  # callscope's own callbacks, before the user's
+                if method == "fit" and logging is not None:
+                    user = kwargs.get("callbacks")
+                    if isinstance(user, keras.callbacks.CallbackList):
+                        # The user's list keeps its own progress bar (or none).
+                        first = (EpochStatistics(calls[logging], user.callbacks,
+                                                 progress=False),)
+                    else:
+                        user = list(user or [])
+                        first = (EpochStatistics(calls[logging], user),)
+                gates = state.gates(method)
+                if (gates or first) and method in ("fit", "evaluate", "predict"):
+                    kwargs["callbacks"] = with_gate_callbacks(kwargs.get("callbacks"), gates,
+                                                              self, first)
                 result = self._cs_call_keras(method, run, frame, args, kwargs)
             except BaseException as error:
                 run.end(error)
@@ -302,9 +326,10 @@ class Engine(CaptureMixin):
                 strategy = getattr(self, "distribute_strategy", None)
                 scope = strategy.scope() if strategy is not None else contextlib.nullcontext()
                 with scope:
-                    state.rows_offset = keras.Variable(np.int32(0), dtype="int32",
-                                                       trainable=False, name="callscope_rows")
-                _keras_compat.add_hidden_state(self, state.rows_offset)
+                    rows = keras.Variable(np.int32(0), dtype="int32", trainable=False,
+                                          name="callscope_rows")
+                self._cs_add_hidden_state(rows, "the first patch that takes the batch", 1)
+                state.rows_offset = rows
         target = state.rows_offset
         if _JAX:
             target = next(i for i, v in enumerate(self.non_trainable_variables)

@@ -75,12 +75,38 @@ def intermediate_grads(
     _record.install_wrappers(model)
     with _record.collecting_for((spec,)) as collector:
         collector.manual = True
-        result = _grads.impl.value_and_grads(collector, loss_fn, args)
+        result = _grads.impl.value_and_grads(collector, _checked(loss_fn), args)
     grads = _named(collector.records, "grad")
     if not grads:
         raise ValueError(_nothing_selected(model, spec, collector))
     loss, aux = (result[0], result[1]) if isinstance(result, tuple) else (result, None)
     return IntermediateGrads(loss, aux, grads, _named(collector.records, "output"))
+
+
+def _checked(loss_fn: Callable) -> Callable:
+    """`loss_fn`, refusing what it returns unless it is a scalar loss or a
+    `(loss, aux)` tuple (each backend would read anything else its own way: TF
+    summed a vector, torch and TF indexed a 1-tuple's missing aux)."""
+
+    def run(*args):
+        result = loss_fn(*args)
+        loss = result
+        if isinstance(result, (tuple, list)):
+            if not isinstance(result, tuple) or len(result) != 2:
+                raise ValueError(
+                    "cs.intermediate_grads: `loss_fn` returns the loss, or a tuple "
+                    f"`(loss, aux)`. Received: a {type(result).__name__} of "
+                    f"{len(result)} items")
+            loss = result[0]
+        shape = tuple(getattr(loss, "shape", ()) or ())
+        if shape != () or not hasattr(loss, "dtype"):
+            raise ValueError(
+                "cs.intermediate_grads differentiates a scalar loss: `loss_fn` returns "
+                "a 0-d tensor (e.g. `keras.ops.mean(...)`), or `(loss, aux)`. Received: "
+                f"a loss of type {type(loss).__name__} and shape {shape}")
+        return result
+
+    return run
 
 
 def _named(records, kind):
@@ -99,9 +125,17 @@ def _nothing_selected(model, spec, collector) -> str:
     ran = list(dict.fromkeys(entry[1] for entry in collector.tree
                              if entry[3] is not _record.LOOP))
     wanted = spec.select
-    if not ran:
+    looped = [entry[1] for entry in collector.tree if entry[3] is _record.LOOP]
+    if not ran and looped:
+        hint = ("`loss_fn` ran the model's layers only inside a loop body or a "
+                "transformation (on JAX, a jax.vmap or jax.jit of the model's call in "
+                "`loss_fn`), whose values cannot leave it: call the model directly")
+    elif not ran:
         hint = ("`loss_fn` ran no layer of `model` (call `model`, or its "
-                "`stateless_call` on JAX, inside `loss_fn`)")
+                "`stateless_call` on JAX, inside `loss_fn`" + (
+                    "; on JAX, directly: not inside a jax.vmap, a loop, or a jax.jit "
+                    "function, whose trace JAX reuses without running the model's "
+                    "Python again)" if _BACKEND == "jax" else ")"))
     elif callable(wanted):
         hint = "the `select` callable returned False for every point `loss_fn` ran through"
     elif wanted is None:

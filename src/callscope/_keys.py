@@ -234,6 +234,11 @@ class KeyTable:
         with self._lock:
             entry.users -= 1
 
+    def users(self) -> int:
+        """Calls running now, over every key."""
+        with self._lock:
+            return self.default.users + sum(e.users for e in self._entries.values())
+
     def clear(self) -> None:
         with self._lock:
             for key in [k for k, e in self._entries.items() if e.users == 0]:

@@ -174,6 +174,10 @@ class Collector:
         self.loss = None  # set by the loss hook, for TensorFlow's outer tape
         self.grad_hooks = None  # torch: gradients taken by the step's own backward()
         self.manual = False  # cs.intermediate_grads takes the gradients itself
+        # JAX's cs.intermediate_grads: the trace marker where `loss_fn` runs. The
+        # model's own call under another (a jax.vmap or jax.jit inside `loss_fn`)
+        # makes values that cannot leave that transformation, as a loop's cannot.
+        self.base = None
         self.discovery = False  # cs.points / cs.summary: any value is listed as it is
         self.rows = None  # the root call's batch size (patches that take the batch)
         # torch: point -> the patch applied there, eagerly (for a checkpoint's
@@ -255,7 +259,8 @@ class Collector:
             # A call at the top of the step inside a loop body, or the re-run of
             # a checkpoint's body in TF's backward pass (`keras.remat`): that of
             # layers seen inside a loop in the forward pass, never the model's own.
-            return _backend.marks_loop(marker)
+            return _backend.marks_loop(marker) or (self.base is not None
+                                                   and marker != self.base)
         top = self.stack[-1]
         return top.in_loop or top.runs_loop or top.marker != marker
 
@@ -399,7 +404,7 @@ class Collector:
         for name, values in self.records.items():
             index, point, kind = split_record(name)
             spec = self.specs[int(index)]
-            axis = self.batch_axes.get(f"{index}|{point}", 0) if kind in _AXED else 0
+            axis = self._axis(name, values)
             for i, value in enumerate(values):
                 key = key_name(point, kind, i, len(values))
                 if axis is None:
@@ -415,11 +420,21 @@ class Collector:
         return out
 
     def unbatched_records(self) -> list[str]:
-        """The records of values without a batch axis (`sow`)."""
-        if not self.batch_axes:
-            return []
-        return [name for name in self.records if split_record(name)[2] in _AXED
-                and self.batch_axes.get(name.rsplit("|", 1)[0], 0) is None]
+        """The records of values without a batch axis (`sow`, a layer's 0-d input)."""
+        return [name for name, values in self.records.items()
+                if self._axis(name, values) is None]
+
+    def _axis(self, name: str, values: list) -> int | None:
+        """The batch axis of the record `name`: a sown value's (`batch_axis`), none
+        for a layer's 0-d argument (a context value, a scale: one for the whole
+        batch, which several replicas must agree on, not one row per replica),
+        else 0."""
+        kind = split_record(name)[2]
+        if kind in _AXED:
+            return self.batch_axes.get(name.rsplit("|", 1)[0], 0) if self.batch_axes else 0
+        if kind.startswith("input") and all(not len(v.shape) for v in values):
+            return None
+        return 0
 
     def output_of(self, point: str, value):
         """The layer whose call at `point` returned `value` itself, or None."""
@@ -494,6 +509,15 @@ def split_record(name: str) -> tuple[str, str, str]:
 
 def loop_message(point: str, enclosing: str, named=()) -> str:
     received = f"select={list(named)!r}" if named else f"patches={{{point!r}: ...}}"
+    if not enclosing:  # the model's own call runs inside it
+        return (
+            f"`{point}` runs where the model's call runs inside a loop body or a "
+            "transformation (keras.ops.scan/map/vectorized_map around the model, or, "
+            "in cs.intermediate_grads's `loss_fn` on JAX, a jax.vmap or jax.jit of "
+            "the model's call): a value made there cannot leave it, so callscope "
+            "cannot capture, patch or differentiate with respect to it. Call the "
+            "model directly (in `loss_fn`, or jit the function that calls "
+            f"cs.intermediate_grads). Received: {received}")
     return (
         f"`{point}` runs inside a loop body in `{enclosing or 'the model'}` (an RNN's "
         "cell, or keras.ops.scan/fori_loop/while_loop/map/vectorized_map, a branch "
@@ -637,6 +661,11 @@ def sow(layer: keras.layers.Layer, name: str, value: Any, *,
     `cs.patch` of the point replaces the value); otherwise it costs one context
     lookup and adds nothing to the compiled graph. Call it inside a layer's `call`.
     `name` is one path element: letters, digits, `_`, `-`, `.`.
+
+    Go on with the value it returns (`h = cs.sow(self, "h", h)`): a patch
+    replaces that value, and a gradient capture takes d loss / d it. The value
+    passed in is not the one returned: where the layer goes on with it, a patch
+    of the point changes nothing and its gradient reads 0.
 
     `batch_axis` says which axis of `value` holds the batch's rows: a capture
     joins batches (and, under `tf.distribute`, replicas) along it, and records the

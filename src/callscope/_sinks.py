@@ -28,6 +28,7 @@ import collections
 import contextlib
 import difflib
 import functools
+import json
 import os
 import sys
 import threading
@@ -144,6 +145,11 @@ class HostBuffer:
                 "batch the same shape (e.g. pad to a fixed length), sow a value "
                 "whose rows are not its first axis with `cs.sow(..., batch_axis=)`, "
                 f"or capture another point. Received: a batch of shape {array.shape}")
+        if self._data is not None and array.dtype != self._data.dtype:
+            # Not cast to the first batch's dtype: a float batch after an int one
+            # would read truncated, as the model never saw it.
+            self._error = self._error or changed_dtype(self.key, self._data.dtype,
+                                                       array.dtype)
         if self._error is not None:
             return
         needed = self.rows + array.shape[0]
@@ -389,7 +395,9 @@ class Landing:
         failed. After a failure of the run (`error`), adds it to that as a note."""
         with self._lock:
             problems = [self.failure] if self.failure is not None else []
-            for finish in (self.land, self._release, self._close_writer):
+            # Released last: a capture's exit waits for the release of its calls
+            # run in other threads, then writes an index of what is on disk.
+            for finish in (self.land, self._close_writer, self._release):
                 try:
                     finish()
                 except Exception as problem:
@@ -406,6 +414,9 @@ class Landing:
     def _release(self) -> None:
         for call in self.calls:
             call._landing = None
+            if call._ended is not None:
+                with call._ended:
+                    call._ended.notify_all()
 
     def _close_writer(self) -> None:
         if self._writer is not None:
@@ -426,7 +437,8 @@ class Call(Mapping):
             validation, or a callback's `predict`.
     """
 
-    def __init__(self, spec: Spec, method: str, nested: bool, directory: str | None):
+    def __init__(self, spec: Spec, method: str, nested: bool, directory: str | None,
+                 owner: str | None = None):
         self.spec = spec
         self.method = method
         self.nested = nested
@@ -435,6 +447,9 @@ class Call(Mapping):
         self._steps: dict[str, dict[str, HostBuffer]] = {}  # fit: one row per step
         self._per_step = CALL_KINDS.get(method) == "train"
         self._dir = directory
+        self._owner = owner  # the capture's `OWNER`: its files are still these
+        self._thread = 0  # that started it (the capture's exit waits for others')
+        self._ended: threading.Condition | None = None  # notified when it ends
         self._files: dict[str, dict] = {}
         self._queued: dict[str, int] = {}  # rows handed to the writer, per key
         self._offsets: dict[str, int] = {}  # bytes handed to the writer, per file
@@ -472,7 +487,7 @@ class Call(Mapping):
         self._offsets[name] = 0
         return entry
 
-    def _check_row(self, key: str, entry: dict, shape) -> None:
+    def _check_row(self, key: str, entry: dict, shape, dtype) -> None:
         if list(shape[1:]) != entry["row"]:
             raise ValueError(
                 f"Captured `{key}` changed shape from (N, {entry['row']}) to {shape}; "
@@ -480,13 +495,21 @@ class Call(Mapping):
                 "or sow a value whose rows are not its first axis with "
                 "`cs.sow(..., batch_axis=)`."
             )
+        if dtype_name(dtype) != entry["dtype"]:
+            raise ValueError(changed_dtype(key, dtype_of(entry["dtype"]), dtype))
 
     def _stream(self, key: str, array: np.ndarray) -> None:
         entry = self._files.get(key)
         if entry is None:
+            if array.dtype.hasobject:
+                raise ValueError(
+                    f"Captured `{key}` holds {_objects(array)}, which cannot be "
+                    "streamed to disk: a file holds fixed-size values. Capture it "
+                    "without `to=` (in memory), or leave it out of the selection. "
+                    f"Received: a batch of dtype {array.dtype}")
             name = f"{len(self._files):04d}.bin"
             entry = self._new_file(key, name, array.dtype, array.shape[1:], file=name)
-        self._check_row(key, entry, array.shape)
+        self._check_row(key, entry, array.shape, array.dtype)
         self._queued[key] += array.shape[0]
         self._landing.writer().write(
             os.path.join(self._dir, entry["file"]),
@@ -502,7 +525,7 @@ class Call(Mapping):
             name = f"{len(self._files):04d}.p{me}.bin"
             entry = self._new_file(key, name, value.dtype, value.shape[1:],
                                    parts=[{"file": name, "blocks": []}])
-        self._check_row(key, entry, value.shape)
+        self._check_row(key, entry, value.shape, value.dtype)
         part = entry["parts"][0]
         writer = self._landing.writer()
         for start, block in _backend.local_blocks(value):
@@ -571,9 +594,15 @@ class Call(Mapping):
 
 def dtype_name(dtype) -> str:
     """A dtype as the index stores it: numpy's string (`<f4`), or the name of an
-    ml_dtypes type (`bfloat16`), which has no numpy string of its own."""
+    ml_dtypes type (`bfloat16`, `float8_e5m2`), whose string numpy cannot read
+    back (`<V2`, or `<f1` for `float8_e5m2`, whose kind is "f")."""
     dtype = np.dtype(dtype)
-    return dtype.name if dtype.kind == "V" else dtype.str
+    try:
+        if np.dtype(dtype.str) == dtype:
+            return dtype.str
+    except TypeError:
+        pass
+    return dtype.name
 
 
 def dtype_of(name: str) -> np.dtype:
@@ -583,6 +612,19 @@ def dtype_of(name: str) -> np.dtype:
         import ml_dtypes  # installed with jax and tensorflow
 
         return np.dtype(getattr(ml_dtypes, name))
+
+
+def changed_dtype(key: str, was, now) -> str:
+    return (f"Captured `{key}` changed dtype from {np.dtype(was).name} to "
+            f"{np.dtype(now).name} within one call: its batches cannot be joined "
+            "without casting some (a float batch read as ints, say). Give every "
+            "batch the same dtype (cast in the data pipeline), or capture another "
+            f"point. Received: a batch of dtype {np.dtype(now).name}")
+
+
+def _objects(array: np.ndarray) -> str:
+    first = next(iter(array.reshape(-1)), None)
+    return "strings" if isinstance(first, (bytes, str)) else "Python objects"
 
 
 def _count_rows(entry: dict, rows: int) -> None:
@@ -619,6 +661,8 @@ def _read(calls: list[Call], key: str) -> np.ndarray:
         return _reduce.finalize(_reduce.merge(stacked), stat)
     parts = []
     for call in calls:
+        if call._dir is not None and key in call._files:
+            check_owner(call, key)
         if call._dir is not None and key in call._files and "parts" in call._files[key]:
             parts.append(assemble(call._dir, call._files[key]))
         elif call._dir is not None and key in call._files:
@@ -674,6 +718,30 @@ def assemble(directory: str, entry: dict) -> np.ndarray:
             f"Received: parts={[p['file'] for p in entry['parts']]}"
         )
     return array
+
+
+OWNER = "owner.json"  # a streaming capture's id, written when it opens
+
+
+def owner_of(directory: str) -> str | None:
+    try:
+        with open(os.path.join(directory, OWNER)) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
+
+
+def check_owner(call: Call, key: str) -> None:
+    """Refuses to read a call whose directory now holds another capture's files
+    (an `overwrite=True` capture reuses the names `call_000/0000.bin`, ...)."""
+    directory = os.path.dirname(call._dir)
+    if call._owner is not None and owner_of(directory) != call._owner:
+        raise ValueError(
+            f"The files of this capture in `{directory}` were deleted or replaced (by "
+            "a later cs.capture(to=..., overwrite=True) on that directory, say): "
+            "reading them would give another capture's values. Read a capture "
+            "before its directory is written again, or give each capture a "
+            f"directory of its own. Received: key={key!r}")
 
 
 def missing(key: str, calls) -> str:

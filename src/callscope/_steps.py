@@ -161,17 +161,23 @@ def _check_agreed(sown: dict) -> None:
     """Raises for a value sown with batch_axis=None that the replicas of
     tf.distribute disagreed on (`finalize`); takes the answers off `sown`."""
     answers = {name: sown.pop(name) for name in [n for n in sown if n.startswith(AGREED)]}
-    disagreed = sorted({_record.split_record(name.split("|", 1)[1])[1]
+    disagreed = sorted({_shown(_record.split_record(name.split("|", 1)[1]))
                         for name, same in answers.items()
                         if not np.all(_reduce.to_numpy(same))})
     if disagreed:
         raise ValueError(
-            f"{', '.join(f'`{p}`' for p in disagreed)} is sown with batch_axis=None, but "
+            f"{', '.join(f'`{p}`' for p in disagreed)} has no batch axis (sown with "
+            "batch_axis=None, or a layer's 0-d argument), but "
             "the replicas of tf.distribute computed different values for it. A value "
             "without a batch axis must be the same in every replica (a value of the "
             "weights); one computed from the batch's rows has a batch axis: sow it with "
             "that `batch_axis`, or capture the rows and reduce them after the call. "
             f"Received: points={disagreed}")
+
+
+def _shown(record: tuple) -> str:
+    _, point, kind = record
+    return point if kind in ("output", "grad") else f"{point}:{kind}"
 
 
 def check_not_rematerialized(model) -> None:

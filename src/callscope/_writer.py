@@ -105,12 +105,13 @@ class Writer:
                     os.makedirs(os.path.dirname(path), exist_ok=True)
                     file = self._files[path] = open(path, "xb")  # never truncates
                 file.write(array.reshape(-1).view(np.uint8))
+                # Flushed before `done` counts the rows: an index that counts rows
+                # still in the file object's buffer reads past the end of a file
+                # that a full disk cut short (and a reader maps the file at once).
+                file.flush()
                 with self._cond:
                     self._items.popleft()
                     self._bytes -= array.nbytes
-                    if not self._items:  # idle: what was written can be read back
-                        for f in self._files.values():
-                            f.flush()
                     done()
                     self._written += 1
                     self._cond.notify_all()

@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import re
-import shutil
 import sys
 import zipfile
 
@@ -282,14 +281,12 @@ def _make_out(out, empty=False):
     """Makes `out` a directory, emptied with `empty` (`--overwrite`): what it holds
     is deleted, the directory itself kept (its mode, a link to it, `.`, a mount
     point)."""
+    from callscope._capture import empty_directory
+
     try:
         os.makedirs(out, exist_ok=True)
-        for name in os.listdir(out) if empty else ():
-            path = os.path.join(out, name)
-            if os.path.isdir(path) and not os.path.islink(path):
-                shutil.rmtree(path)
-            else:
-                os.remove(path)
+        if empty:
+            empty_directory(out)
     except OSError as error:
         raise InputError(f"cannot write --out {out}: {error.strerror or error}") from None
 

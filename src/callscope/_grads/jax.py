@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from callscope import _grads, _keras_compat, _record
+from callscope import _backend, _grads, _keras_compat, _record
 
 
 def at_loss(collector, loss) -> None:
@@ -109,7 +109,11 @@ def value_and_grads(collector, loss_fn, args):
         return marked
 
     def traced(*args):
-        return loss_fn(*args), collector.records, placeholders
+        collector.base = _backend.trace_marker()
+        try:
+            return loss_fn(*args), collector.records, placeholders
+        finally:
+            collector.base = None
 
     previous = collector.on_grad_source
     collector.on_grad_source = mark
@@ -181,10 +185,23 @@ def _fallback(collector, loss_fn, args, sources):
     del collector.tree[:]
 
     def forward(perturbations):
-        loss, aux = _split(_perturbed(collector, loss_fn)(perturbations, *args))
+        collector.base = _backend.trace_marker()
+        try:
+            loss, aux = _split(_perturbed(collector, loss_fn)(perturbations, *args))
+        finally:
+            collector.base = None
         return loss, (aux, collector.records)
 
     (loss, (aux, records)), grads = jax.value_and_grad(forward, has_aux=True)(zeros)
+    reached = {name for name, _ in collector.grad_source_list()}
+    if reached != set(zeros):  # the sources were not perturbed
+        raise RuntimeError(
+            "cs.intermediate_grads ran `loss_fn` twice on JAX (its trace could not be "
+            "differentiated as it is), and the second run did not reach the points "
+            "the first did: their gradients are unknown. Make `loss_fn` a pure "
+            "function that calls the model directly (not through a function "
+            "compiled earlier). Received: points "
+            f"{sorted(set(zeros) ^ reached)}")
     collector.records = {}
     collector.merge(records)
     collector.grad_sources = {}

@@ -31,8 +31,10 @@ def _source(value):
 def _file(collector, loss) -> None:
     sources = collector.grad_source_list()
     tensors = [t for _, t in sources]
+    # A loss that no weight and no source is on the path to (a frozen model, the
+    # loss of another output) has no graph: each gradient is then 0, as on JAX/TF.
     grads = (torch.autograd.grad(loss, tensors, retain_graph=True, allow_unused=True)
-             if tensors else ())
+             if tensors and loss.requires_grad else [None] * len(tensors))
     collector.add_grads({name: (torch.zeros_like(t) if g is None else g).detach()
                          for (name, t), g in zip(sources, grads)})
     collector.grad_sources.clear()
@@ -102,6 +104,11 @@ def step_with_grads(model, kind, step, args, kwargs, collector):
         _grads.require_loss(collector, kind)
         if collector.grad_hooks is not None:
             collector.grad_hooks.file(collector)
+        # Sources the step made after its loss (a custom train_step that calls the
+        # model again, for a metric) are not on the loss's path: 0, as on TF.
+        collector.add_grads({name: torch.zeros_like(t).detach()
+                             for name, t in collector.grad_source_list()})
+        collector.grad_sources.clear()
     finally:
         if collector.grad_hooks is not None:
             collector.grad_hooks.release()  # a failed step too
@@ -111,6 +118,7 @@ def step_with_grads(model, kind, step, args, kwargs, collector):
 
 def value_and_grads(collector, loss_fn, args):
     collector.on_grad_source = _source
-    result = loss_fn(*args)
-    _file(collector, result[0] if isinstance(result, tuple) else result)
+    with torch.enable_grad():  # also inside the caller's `torch.no_grad()`
+        result = loss_fn(*args)
+        _file(collector, result[0] if isinstance(result, tuple) else result)
     return result

@@ -1,0 +1,246 @@
+"""Streamed captures (`to=`) at their edges: what a capture reads is what its own
+call wrote, or a clear error. Values against a stock Keras sub-model or numpy."""
+
+import contextvars
+import errno
+import io
+import os
+import threading
+
+import keras
+import numpy as np
+import pytest
+from conftest import BACKEND
+
+import callscope as cs
+from callscope import _writer
+
+rng = np.random.default_rng(0)
+X = rng.normal(size=(10, 3)).astype("float32")
+
+
+def _model():
+    keras.utils.set_random_seed(0)
+    return cs.Sequential([keras.Input((3,)), keras.layers.Dense(4, name="d1"),
+                          keras.layers.ReLU(name="relu"), keras.layers.Dense(2, name="d2")],
+                         name="m")
+
+
+def _stock(model, name, x):
+    return keras.Model(model.inputs, model.get_layer(name).output).predict(x, verbose=0)
+
+
+def test_a_capture_whose_directory_was_written_again_refuses_to_read(tmp_path):
+    """`overwrite=True` reuses the names `call_000/0000.bin`: an earlier capture,
+    live or loaded, read the later capture's rows under its own keys."""
+    model = _model()
+    with cs.capture(model, "m/d1", to=tmp_path) as first:
+        model.predict(X, batch_size=4, verbose=0)
+    loaded = cs.load_capture(tmp_path)
+    mapped = first["m/d1:output"]  # a memmap taken before: still its own file
+    np.testing.assert_allclose(loaded["m/d1:output"], _stock(model, "d1", X), rtol=1e-5)
+    with cs.capture(model, "m/relu", to=tmp_path, overwrite=True) as second:
+        model.predict(X * 10, batch_size=4, verbose=0)
+    for stale in (first, loaded):
+        with pytest.raises(ValueError, match="were deleted or replaced") as error:
+            stale["m/d1:output"]
+        assert str(error.value).endswith("Received: key='m/d1:output'")
+    np.testing.assert_allclose(mapped, _stock(model, "d1", X), rtol=1e-5)
+    np.testing.assert_allclose(second["m/relu:output"], _stock(model, "relu", X * 10),
+                               rtol=1e-5)
+    np.testing.assert_allclose(cs.load_capture(tmp_path)["m/relu:output"],
+                               _stock(model, "relu", X * 10), rtol=1e-5)
+
+
+class _Mixed(keras.utils.PyDataset):
+    """An int32 batch, then a float32 one."""
+
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, index):
+        values = np.arange(6).reshape(2, 3) + 1
+        return (values.astype("int32") if index == 0 else values.astype("float32") + 0.5,)
+
+
+class _Raw(cs.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.d = keras.layers.Dense(2, name="d")
+
+    def call(self, x):
+        return self.d(keras.ops.cast(cs.sow(self, "raw", x * 1), "float32"))
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_a_value_whose_dtype_changes_within_a_call_is_not_cast(tmp_path, streamed):
+    """The float batch was cast to the first batch's int32 (2.5 read as 2), though
+    the model computed with 2.5."""
+    model = _Raw(name="net")
+    model(np.ones((1, 3), "float32"))
+    to = tmp_path / "caps" if streamed else None
+    if BACKEND == "tensorflow":  # Keras's TF loop casts the batch to the first's dtype
+        with cs.capture(model, "net/raw", to=to) as cap:
+            model.predict(_Mixed(), verbose=0)
+        np.testing.assert_array_equal(cap["net/raw:output"][2:], [[1, 2, 3], [4, 5, 6]])
+        return
+    with pytest.raises(ValueError, match="changed dtype from int32 to float32") as error:
+        with cs.capture(model, "net/raw", to=to) as cap:
+            model.predict(_Mixed(), verbose=0)
+            cap["net/raw:output"]
+    assert str(error.value).endswith("Received: a batch of dtype float32")
+
+
+def test_a_call_in_a_copied_context_is_part_of_the_capture_it_started_in(tmp_path):
+    """The scope's exit wrote an index of the rows so far while the thread's call
+    went on writing: load_capture read 8 rows of 40, the live capture 40."""
+    model = _model()
+    x = rng.normal(size=(40, 3)).astype("float32")
+    started, proceed = threading.Event(), threading.Event()
+
+    class Slow(keras.callbacks.Callback):
+        def on_predict_batch_end(self, batch, logs=None):
+            started.set()
+            proceed.wait(30)
+
+    with cs.capture(model, "m/d1", to=tmp_path) as cap:
+        context = contextvars.copy_context()
+        worker = threading.Thread(target=context.run, args=(
+            lambda: model.predict(x, batch_size=4, verbose=0, callbacks=[Slow()]),))
+        worker.start()
+        assert started.wait(60)
+        threading.Timer(0.5, proceed.set).start()  # the exit below waits for the call
+    worker.join(60)  # it returns after its run ended, which the exit waited for
+    expected = _stock(model, "d1", x)
+    np.testing.assert_allclose(cap["m/d1:output"], expected, rtol=1e-5)
+    np.testing.assert_allclose(cs.load_capture(tmp_path)["m/d1:output"], expected, rtol=1e-5)
+    # A call made there after the scope closed has nowhere to go.
+    with pytest.raises(RuntimeError, match="after that scope closed"):
+        context.run(lambda: model.predict(x, verbose=0))
+    np.testing.assert_allclose(model.predict(x, verbose=0), _stock(model, "d2", x), rtol=1e-5)
+
+
+class _Full(io.RawIOBase):
+    """A file on a disk with `room` bytes left."""
+
+    def __init__(self, path, room):
+        self._file, self._room = open(path, "xb"), room
+
+    def writable(self):
+        return True
+
+    def write(self, data):
+        if self._room <= 0:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        data = memoryview(data)[:self._room]
+        self._room -= len(data)
+        return self._file.write(data)
+
+    def close(self):
+        self._file.close()
+        super().close()
+
+
+def test_the_index_counts_only_rows_that_reached_the_disk(tmp_path, monkeypatch):
+    """Rows were counted once in the file object's buffer: after a full disk the
+    index said 64 rows of 16 bytes where 1000 bytes were on disk, and reading
+    failed with "mmap length is greater than file size"."""
+    monkeypatch.setattr(_writer, "open", lambda path, mode: io.BufferedWriter(
+        _Full(path, room=1000)), raising=False)
+    rows = {"n": 0}
+    writer = _writer.Writer()
+    path = str(tmp_path / "f.bin")
+    with pytest.raises(_writer.WriteError, match="No space left on device"):
+        for i in range(200):
+            writer.write(path, np.full((2, 4), i, "float32"),
+                         lambda: rows.__setitem__("n", rows["n"] + 2))
+        writer.close()
+    writer_rows = rows["n"]
+    assert 0 < writer_rows * 16 <= os.path.getsize(path) == 1000
+    on_disk = np.fromfile(path, "float32")[:writer_rows * 4].reshape(writer_rows, 4)
+    np.testing.assert_array_equal(on_disk[:, 0], np.repeat(np.arange(writer_rows // 2), 2))
+
+
+@pytest.mark.skipif(BACKEND == "torch", reason="torch has no float8 numpy conversion")
+def test_a_float8_value_is_streamed_and_read_back():
+    """float8_e5m2's numpy string is '<f1' (kind "f"), which numpy cannot read
+    back: streaming it failed with "ml_dtypes has no attribute '<f1'"."""
+    import ml_dtypes
+    import tempfile
+
+    class Eight(keras.layers.Layer):
+        def call(self, x):
+            cs.sow(self, "v", keras.ops.cast(x, "float8_e5m2"))
+            return x
+
+    model = cs.Sequential([keras.Input((3,)), Eight(name="e")], name="m")
+    with tempfile.TemporaryDirectory() as to:
+        with cs.capture(model, "m/e/v", to=to) as streamed:
+            model.predict(X, batch_size=4, verbose=0)
+        loaded = cs.load_capture(to)["m/e/v:output"]
+        assert loaded.dtype == np.dtype(ml_dtypes.float8_e5m2)
+        np.testing.assert_array_equal(loaded.astype("float32"),
+                                      X.astype(ml_dtypes.float8_e5m2).astype("float32"))
+        np.testing.assert_array_equal(streamed["m/e/v:output"], loaded)
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="string tensors")
+def test_a_string_value_streamed_raises_what_to_do_before_the_next_step(tmp_path):
+    """It failed at the call's end as a disk error ("Free space on the disk")."""
+    inputs = keras.Input((1,), dtype="string")
+    lookup = keras.layers.StringLookup(vocabulary=["a", "b"], name="lookup")
+    model = cs.Model(inputs, lookup(inputs), name="m")
+    import tensorflow as tf
+
+    words = tf.constant([["a"], ["b"], ["c"], ["a"]])
+    with cs.capture(model, "m/lookup", kinds=("input",)) as held:
+        model.predict(words, batch_size=2, verbose=0)
+    assert held["m/lookup:input"].ravel().tolist() == [b"a", b"b", b"c", b"a"]
+    with pytest.raises(ValueError, match="holds strings, which cannot be streamed") as error:
+        with cs.capture(model, "m/lookup", kinds=("input",), to=tmp_path):
+            model.predict(words, batch_size=2, verbose=0)
+    assert "Capture it without `to=`" in str(error.value)
+
+
+def test_to_refuses_an_empty_path_and_overwrite_keeps_a_linked_directory(tmp_path,
+                                                                        monkeypatch):
+    """`to=""` was the working directory, which overwrite=True emptied; a link to
+    a directory raised "Cannot call rmtree on a symbolic link"."""
+    model = _model()
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "precious.txt").write_text("mine")
+    for overwrite in (False, True):
+        with pytest.raises(ValueError, match="got an empty path") as error:
+            with cs.capture(model, "m/d1", to="", overwrite=overwrite):
+                model.predict(X, verbose=0)
+        assert str(error.value).endswith("Received: to=''")
+    assert (tmp_path / "precious.txt").read_text() == "mine"
+    (tmp_path / "real").mkdir()
+    (tmp_path / "real" / "old.bin").write_bytes(b"old")
+    os.symlink(tmp_path / "real", tmp_path / "link")
+    with cs.capture(model, "m/d1", to=tmp_path / "link", overwrite=True):
+        model.predict(X, verbose=0)
+    assert (tmp_path / "link").is_symlink() and not (tmp_path / "real" / "old.bin").exists()
+    np.testing.assert_allclose(cs.load_capture(tmp_path / "real")["m/d1:output"],
+                               _stock(model, "d1", X), rtol=1e-5)
+
+
+@pytest.mark.parametrize("made", [False, True])
+def test_a_scope_that_wrote_nothing_leaves_its_directory_as_it_found_it(tmp_path, made):
+    """A selection that matched nothing left an `index.json`, so the same `to=`
+    was refused ("already holds a capture") once the selection was fixed."""
+    model = _model()
+    target = tmp_path / "caps"
+    if made:
+        target.mkdir()
+    with pytest.raises(ValueError, match="selected nothing"):
+        with cs.capture(model, "m/nothing*", to=target):
+            model.predict(X, verbose=0)
+    with pytest.raises(RuntimeError, match="before any call"):
+        with cs.capture(model, "m/d1", to=target):
+            raise RuntimeError("before any call")
+    assert target.exists() == made and (not made or not os.listdir(target))
+    with cs.capture(model, "m/d1", to=target):
+        model.predict(X, verbose=0)
+    np.testing.assert_allclose(cs.load_capture(target)["m/d1:output"],
+                               _stock(model, "d1", X), rtol=1e-5)
