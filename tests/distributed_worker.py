@@ -113,6 +113,51 @@ def hidden_state(model):
     return out
 
 
+class Center(keras.layers.Layer):
+    def call(self, x, mean):
+        return x - mean
+
+
+class Centered(cs.Model):
+    """A layer's 0-d argument computed from the rows: each replica's own."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.center = Center(name="center")
+
+    def call(self, x):
+        return self.center(x, keras.ops.mean(x))
+
+
+def replica_arguments():
+    with cs.capture(Centered(name="net"), "net/center", kinds=("input",)) as cap:
+        cap.model.predict(X, batch_size=8, verbose=0)
+    return arrays(cap)
+
+
+def nested_first_value():
+    """The first dynamic value of a callscope model inside another: the outer
+    model's functions were made with the state of before (JAX distribution)."""
+    keras.utils.set_random_seed(0)
+    inner = build_scaled()
+    outer = cs.Sequential([keras.Input((2,)), inner], name="outer")
+    outer.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    out = {"before": outer.predict(X, batch_size=8, verbose=0).tolist()}
+    callback = keras.callbacks.LambdaCallback(
+        on_epoch_end=lambda epoch, logs: inner.predict(X, temperature=0.5, verbose=0))
+    try:
+        outer.fit(X, Y, epochs=1, batch_size=8, verbose=0, callbacks=[callback])
+        out["during_fit"] = None
+    except RuntimeError as e:
+        out["during_fit"] = str(e)
+    out["outer_after_fit"] = outer.predict(X, batch_size=8, verbose=0).tolist()
+    out["inner_warm"] = inner.predict(X, batch_size=8, temperature=0.5, verbose=0).tolist()
+    out["outer_after"] = outer.predict(X, batch_size=8, verbose=0).tolist()
+    outer.fit(X, Y, epochs=1, batch_size=8, verbose=0)
+    out["outer_after_second_fit"] = outer.predict(X, batch_size=8, verbose=0).tolist()
+    return out
+
+
 def first_value_during_fit(model):
     """The first dynamic value given by a callback while `fit` runs."""
     out = {}
@@ -260,6 +305,7 @@ if ENGINE == "jax":
     results["distributed"] = run(build())
     results["distributed_hidden"] = hidden_state(build_scaled())
     results["distributed_first_in_fit"] = first_value_during_fit(build_scaled())
+    results["distributed_nested"] = nested_first_value()
     keras.distribution.set_distribution(None)
 else:
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
@@ -286,6 +332,12 @@ else:
     with strategy.scope():
         model = build_scaled()
     results["distributed_hidden"] = hidden_state(model)
+    results["single_replica_arguments"] = replica_arguments()
+    with strategy.scope():
+        try:
+            results["replica_arguments"] = replica_arguments()
+        except ValueError as e:
+            results["replica_arguments"] = str(e)
     results["handover"] = handover(strategy)
     results["synchronized_bn"] = synchronized_bn(strategy)
     with strategy.scope():  # stock Keras, the same validation run eagerly

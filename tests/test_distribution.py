@@ -72,9 +72,18 @@ def test_jax_data_parallel_on_four_cpu_devices_matches_one_device():
     assert dist["error"].startswith("callscope needs a variable for the first value of "
                                     "`temperature` of `seq`, and under a JAX "
                                     "keras.distribution")
-    assert dist["error"].endswith("Received: 1 call(s) of the model running")
+    assert dist["error"].endswith("Received: 1 other call(s) running")
     assert dist["trained"] and dist["finite"]
     np.testing.assert_allclose(np.asarray(dist["predict"]).shape, (16, 1))
+    # The same for a callscope model inside another: the outer model's functions
+    # are made again (they failed on their output shardings), and a first value
+    # given while the outer model's fit runs is refused.
+    nested = results["distributed_nested"]
+    assert nested["during_fit"].endswith("Received: 1 other call(s) running")
+    np.testing.assert_allclose(nested["inner_warm"],
+                               np.asarray(nested["outer_after_fit"]) * 0.5, rtol=1e-5)
+    np.testing.assert_allclose(nested["outer_after"], nested["outer_after_fit"], rtol=1e-5)
+    assert np.isfinite(nested["outer_after_second_fit"]).all()
     for key, value in results["single"]["capture_fit"].items():
         np.testing.assert_allclose(results["distributed"]["capture_fit"][key], value,
                                    rtol=1e-4, atol=1e-6)
@@ -173,6 +182,13 @@ def test_tf_mirrored_strategy_matches_one_device():
     assert results["devices"] == 2
     _assert_same_as_single_device(results)
     _assert_hidden_state_as_on_one_device(results)
+    # A layer's 0-d argument that each replica computed from its own rows: no value
+    # is the batch's (the means of the two batches on one device), so it raises.
+    single = results["single_replica_arguments"]["net/center:input/mean"]
+    np.testing.assert_allclose(single, [X[:8].mean(), X[8:].mean()], rtol=1e-5)
+    assert results["replica_arguments"].startswith(
+        "`net/center:input/mean`: the replicas of tf.distribute passed different 0-d "
+        "values for this layer argument")
     for key, value in results["single"]["capture_fit"].items():
         _close(results["distributed"]["capture_fit"][key], value, rtol=1e-4)
     # Each replica function is traced in its own thread; each saw the value.

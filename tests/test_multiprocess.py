@@ -102,7 +102,8 @@ def test_predict_gives_the_global_batch_on_every_process(two_processes, one_proc
 
 def test_streamed_shards_read_back_as_one_process_arrays(two_processes, one_process):
     out, _ = two_processes
-    assert sorted(os.listdir(out / "predict")) == ["call_000", "index.json"]  # one index
+    assert sorted(os.listdir(out / "predict")) == ["call_000", "index.json",  # one index
+                                                   "owner.json"]
     files = sorted(os.listdir(out / "predict" / "call_000"))
     assert files == ["0000.p0.bin", "0000.p1.bin", "0001.p0.bin", "0001.p1.bin"], files
     cap = cs.load_capture(out / "predict")

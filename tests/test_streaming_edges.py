@@ -244,3 +244,49 @@ def test_a_scope_that_wrote_nothing_leaves_its_directory_as_it_found_it(tmp_path
         model.predict(X, verbose=0)
     np.testing.assert_allclose(cs.load_capture(target)["m/d1:output"],
                                _stock(model, "d1", X), rtol=1e-5)
+
+
+def test_a_call_that_waits_for_the_closing_thread_does_not_hang_its_exit(tmp_path,
+                                                                        monkeypatch):
+    """A worker's predict over a generator that the main thread ends after the
+    scope: the exit waited for it for ever. It waits `WAIT_S`, warns, and the
+    call's end writes the index again, with every row."""
+    import queue
+
+    from callscope import _capture
+
+    monkeypatch.setattr(_capture, "WAIT_S", 0.5)
+    model = _model()
+    model.predict(X, verbose=0)
+    items, asked, fed = queue.Queue(), threading.Event(), {}
+
+    class Fed(keras.utils.PyDataset):  # its batches come from the main thread
+        def __len__(self):
+            return 2
+
+        def __getitem__(self, index):  # (TF asks for the first batch twice)
+            asked.set()
+            if index not in fed:
+                fed[index] = items.get(timeout=60)
+            return (fed[index],)
+
+    with pytest.warns(UserWarning, match="still run in other threads 0.5 s after") as caught:
+        with cs.capture(model, "m/d1", to=tmp_path) as cap:
+            context = contextvars.copy_context()
+            worker = threading.Thread(target=context.run, args=(
+                lambda: model.predict(Fed(), verbose=0),))
+            worker.start()
+            assert asked.wait(60)  # its call has begun
+            items.put(X[:4])
+    message = next(str(w.message) for w in caught if "still run" in str(w.message))
+    assert "its index on disk is written again when the last ends" in message
+    with pytest.raises(ValueError, match="another open cs.capture"):  # still its own
+        with cs.capture(model, "m/d1", to=tmp_path, overwrite=True):
+            pass
+    items.put(X[4:])
+    worker.join(60)
+    np.testing.assert_allclose(cap["m/d1:output"], _stock(model, "d1", X), rtol=1e-5)
+    np.testing.assert_allclose(cs.load_capture(tmp_path)["m/d1:output"],
+                               _stock(model, "d1", X), rtol=1e-5)
+    with cs.capture(model, "m/d1", to=tmp_path, overwrite=True):  # released
+        model.predict(X, verbose=0)

@@ -18,12 +18,32 @@ import os
 import shutil
 import threading
 import uuid
+import warnings
+import weakref
 from collections.abc import Callable, Mapping
 
 import numpy as np
 
 from callscope import _backend, _reduce, _scope, _sinks
 from callscope._points import KINDS, Ranges, Spec, normalize_select
+
+WAIT_S = 10.0  # how long a scope's exit waits for its calls in other threads
+
+
+def begin_calls(captures, method: str, runs: tuple) -> tuple:
+    """`(calls, landing)` of a call starting under `captures` (landing None without
+    captures). Each capture counts its call as running from here until the
+    landing ends, or until whatever fails before that: its exit waits for it."""
+    calls = []
+    try:
+        for capture in captures:
+            calls.append(capture._begin(method, runs))
+        return tuple(calls), (_sinks.Landing(tuple(calls)) if calls else None)
+    except BaseException:
+        for call in calls:
+            call.finish()
+        raise
+
 
 class _Claimed:
     """The directories of this process's open streaming captures. Two captures
@@ -92,6 +112,7 @@ class Capture(Mapping):
         self._id: str | None = None  # its files' owner (`_sinks.OWNER`)
         self._token = None
         self._closed = False
+        self._late = False  # calls outlived the scope: the last one writes the index
         self._claim: str | None = None  # the directory, claimed while the scope is open
         # Calls may start in copied contexts' threads; the scope's exit waits for
         # theirs (`_begin`, `__exit__`).
@@ -112,27 +133,43 @@ class Capture(Mapping):
                     "after that scope closed: its values would reach a capture that is "
                     "complete (and, with `to=`, whose index is written). Make the call "
                     "before the scope closes, or open a capture in that thread. "
-                    f"Received: a call after the capture of {self.spec.select!r} closed")
+                    f"Received: method={method!r}")
             directory = (None if self._dir is None
                          else os.path.join(self._dir, f"call_{len(self.calls):03d}"))
             call = _sinks.Call(self.spec, method, nested, directory, self._id)
-            # The capture's condition, not the capture: a call referring to its
-            # capture would keep both, and its host buffers, alive until a
+            # Its condition and a weak reference, not the capture: a call holding
+            # its capture would keep both, and its host buffers, alive until a
             # garbage collection (its buffers could not serve the next capture).
-            call._thread, call._ended = threading.get_ident(), self._lock
+            call._running, call._thread = True, threading.get_ident()
+            call._ended, call._capture = self._lock, weakref.ref(self)
             self.calls.append(call)
         return call
 
-    def _wait_for_other_threads(self) -> None:
+    def _running(self, others_only: bool) -> list[_sinks.Call]:
+        me = threading.get_ident()
+        return [c for c in self.calls if c._running and not (others_only and c._thread == me)]
+
+    def _wait_for_other_threads(self) -> bool:
         """Waits for the calls recorded by this capture that run in other threads
         (started in contexts copied inside the scope), so that the capture is
-        complete, and its index counts their rows, when the scope exits. Not for
-        this thread's: the scope's own calls have returned, and a call still
-        running here is the one whose callback closes the scope."""
-        me = threading.get_ident()
+        complete, and its index counts their rows, when the scope exits; False if
+        some still run after `WAIT_S` (one may wait for this thread). Not for this
+        thread's: the scope's own calls have returned, and a call still running
+        here is the one whose callback closes the scope."""
         with self._lock:
-            self._lock.wait_for(lambda: not any(
-                c._landing is not None and c._thread != me for c in self.calls))
+            return self._lock.wait_for(lambda: not self._running(True), timeout=WAIT_S)
+
+    def _call_finished(self) -> None:
+        """A call ended: the last of those that outlived the scope writes the index
+        again (one process: several meet at barriers to write one)."""
+        with self._lock:
+            if not self._late or self._running(False):
+                return
+            self._late = False
+        try:
+            self._write_index()
+        finally:
+            _claimed.release(self._claim)  # held until then: no other capture there
 
     def _records(self, runs: tuple) -> bool:
         """Whether this capture records one of `runs`."""
@@ -230,16 +267,29 @@ class Capture(Mapping):
             _scope.exit_capture(self._token)
             with self._lock:
                 self._closed = True
-            self._wait_for_other_threads()
-            nothing = bool(self.calls) and not any(len(c) for c in self.calls)
-            if (self._dir is not None and (exc_type is not None or nothing)
+            whole = self._wait_for_other_threads()
+            if not whole:
+                warnings.warn(
+                    f"cs.capture: {len(self._running(True))} call(s) that it records, "
+                    "started in contexts copied inside its scope, still run in other "
+                    f"threads {WAIT_S:g} s after the scope closed (one may wait for "
+                    "this thread). Their values go on arriving in the capture"
+                    + (", and its index on disk is written again when the last ends"
+                       if self._dir is not None and _backend.process_index()[1] == 1
+                       else "") + ". Join those threads before the scope closes for a "
+                    "capture that is whole when it does.", stacklevel=2)
+            nothing = whole and bool(self.calls) and not any(len(c) for c in self.calls)
+            if (self._dir is not None and (exc_type is not None or nothing) and whole
                     and _backend.process_index()[1] == 1
                     and not any(c._files for c in self.calls)):
                 self._leave_directory()  # as found: the same `to=` works next time
             else:
                 self._write_index(complete=exc_type is None)
+                with self._lock:  # a call still running writes it again when it ends
+                    self._late = (self._dir is not None and bool(self._running(False))
+                                  and _backend.process_index()[1] == 1)
         finally:
-            if self._claim is not None:
+            if self._claim is not None and not self._late:
                 _claimed.release(self._claim)
         if exc_type is None and nothing:
             raise ValueError(self._nothing_matched())

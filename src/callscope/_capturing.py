@@ -18,8 +18,9 @@ import difflib
 import keras
 import numpy as np
 
-from callscope import _backend, _grads, _keras_compat, _record, _scope, _sinks, _steps
+from callscope import _backend, _grads, _keras_compat, _record, _scope, _steps
 from callscope._points import loop_points, tree_points
+from callscope._capture import begin_calls
 from callscope._run import Run
 
 CAPTURE = "<capture>"  # key entry holding the specs of the active captures
@@ -139,10 +140,10 @@ class CaptureMixin:
             _record.install_wrappers(self)
             self._cs_check_loops(captures, patches)
         nested = outer is not None
-        calls = tuple(c._begin("__call__", runs) for c in captures)
-        run = Run(self, "__call__", self._cs_table().default, (), calls, patches, nested,
-                  host=_sinks.Landing(calls) if calls else None)
+        calls, landing = begin_calls(captures, "__call__", runs)
         try:  # the run ends whatever happens: a capture's exit waits for its calls
+            run = Run(self, "__call__", self._cs_table().default, (), calls, patches, nested,
+                      host=landing)
             with _scope.running(run):
                 with _record.collecting_for(specs) as collector, \
                         _record.patching(patches) as active:
@@ -152,7 +153,8 @@ class CaptureMixin:
             self._cs_check_reached(run, hits)
             run.sink("call", sown)
         except BaseException as error:
-            run.end(error)
+            if landing is not None:
+                landing.end(error)
             raise
         run.end()
         return outputs

@@ -32,7 +32,8 @@ from typing import Any
 import keras
 import numpy as np
 
-from callscope import _inputs, _keras_compat, _keys, _patch, _record, _scope, _sinks, _steps
+from callscope import _inputs, _keras_compat, _keys, _patch, _record, _scope, _steps
+from callscope._capture import begin_calls
 from callscope._capturing import CAPTURE, PATCH, CaptureMixin, first_x
 from callscope._functions import (
     PerKeyFunction,
@@ -188,23 +189,25 @@ class Engine(CaptureMixin):
         """Adds callscope's `variable` to the model's state (`own`: the calls of
         this one that hold a key already). Under a JAX `keras.distribution`, Keras
         fixes each compiled step's output shardings, one per state variable, when
-        it makes the step: every function made before then is made again, and a
-        call running one (another thread's, or the `fit` whose callback this is)
-        would fail on it, after its weights were taken out of the variables, so the
-        variable is refused there."""
+        it makes the step: every function made before then, this model's or that
+        of a callscope model holding it, is made again, and a call running one
+        (another thread's, or the `fit` whose callback this is) would fail on it,
+        after its weights were taken out of the variables, so the variable is
+        refused there. (Any callscope model's: which hold this one is not known.)"""
         distributed = _JAX and keras.distribution.distribution() is not None
-        table = self._cs_table()
-        if distributed and table.users() > own:
+        tables = list(_keys.TABLES) if distributed else []
+        running = sum(table.users() for table in tables) - own
+        if running > 0:
             raise RuntimeError(
                 f"callscope needs a variable for {what} of `{self.name}`, and under a "
-                "JAX keras.distribution a variable added while another call of the "
+                "JAX keras.distribution a variable added while a call of a callscope "
                 "model runs (here, or in another thread: a `fit` whose callback this "
                 "call is) breaks that call's compiled step, whose output shardings "
-                "Keras fixed when it made it. Make one call with it before that call "
-                "starts (e.g. a `predict` on one batch before `fit`). Received: "
-                f"{table.users() - own} call(s) of the model running")
+                "Keras fixed when it made it. Make one call with it before such a "
+                "call starts (e.g. a `predict` on one batch before `fit`). Received: "
+                f"{running} other call(s) running")
         _keras_compat.add_hidden_state(self, variable)
-        if distributed:
+        for table in tables:
             table.clear()
 
     def _cs_scopes(self) -> tuple[tuple, tuple]:
@@ -262,15 +265,15 @@ class Engine(CaptureMixin):
             _scope.check_unkeyed(entry.reads, state.names)
             self._cs_install_steps()
             nested = outer is not None
-            calls = tuple(c._begin(method, runs) for c in captures)
+            offset = self._cs_row_offset(method, patches)
             if dynamic and _JAX:
                 positions = {id(v): i for i, v in enumerate(self.non_trainable_variables)}
                 dynamic = [(positions[id(v)], a) for v, a in dynamic]
-            run = Run(self, method, entry, tuple(dynamic), calls, patches, nested,
-                      _keras_compat.replicas(self) > 1, self._cs_row_offset(method, patches),
-                      tuple(c.spec for c in captures if c.spec.finds_ranges()),
-                      _sinks.Landing(calls) if calls else None)
+            calls, landing = begin_calls(captures, method, runs)
             try:  # the run ends whatever happens: a capture's exit waits for its calls
+                run = Run(self, method, entry, tuple(dynamic), calls, patches, nested,
+                          _keras_compat.replicas(self) > 1, offset,
+                          tuple(c.spec for c in captures if c.spec.finds_ranges()), landing)
                 logging = next((i for i, c in enumerate(captures) if c.log), None)
                 first = ()  # callscope's own callbacks, before the user's
                 if method == "fit" and logging is not None:
@@ -288,7 +291,8 @@ class Engine(CaptureMixin):
                                                               self, first)
                 result = self._cs_call_keras(method, run, frame, args, kwargs)
             except BaseException as error:
-                run.end(error)
+                if landing is not None:
+                    landing.end(error)
                 raise
             run.end()
             self._cs_check_reached(run, entry.hits.get(CALL_KINDS[method], set()))

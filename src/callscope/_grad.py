@@ -94,16 +94,21 @@ def _checked(loss_fn: Callable) -> Callable:
         if isinstance(result, (tuple, list)):
             if not isinstance(result, tuple) or len(result) != 2:
                 raise ValueError(
-                    "cs.intermediate_grads: `loss_fn` returns the loss, or a tuple "
-                    f"`(loss, aux)`. Received: a {type(result).__name__} of "
-                    f"{len(result)} items")
+                    "cs.intermediate_grads: `loss_fn` returns the loss, or the tuple "
+                    "`(loss, aux)`; return other values inside `aux`. Received: "
+                    f"loss_fn(...) -> a {type(result).__name__} of length {len(result)}")
             loss = result[0]
-        shape = tuple(getattr(loss, "shape", ()) or ())
-        if shape != () or not hasattr(loss, "dtype"):
+        if not keras.ops.is_tensor(loss):
+            raise ValueError(
+                "cs.intermediate_grads differentiates the loss `loss_fn` computes from "
+                "the model's outputs: a 0-d tensor (e.g. `keras.ops.mean(...)`). "
+                f"Received: loss={type(loss).__name__}")
+        shape = tuple(loss.shape)
+        if shape != ():
             raise ValueError(
                 "cs.intermediate_grads differentiates a scalar loss: `loss_fn` returns "
-                "a 0-d tensor (e.g. `keras.ops.mean(...)`), or `(loss, aux)`. Received: "
-                f"a loss of type {type(loss).__name__} and shape {shape}")
+                "a 0-d tensor (reduce it, e.g. `keras.ops.mean(...)`), or `(loss, aux)`. "
+                f"Received: a loss of shape {shape}")
         return result
 
     return run
@@ -128,7 +133,8 @@ def _nothing_selected(model, spec, collector) -> str:
     looped = [entry[1] for entry in collector.tree if entry[3] is _record.LOOP]
     if not ran and looped:
         hint = ("`loss_fn` ran the model's layers only inside a loop body or a "
-                "transformation (on JAX, a jax.vmap or jax.jit of the model's call in "
+                "transformation (on JAX, a jax.vmap, jax.jit or jax.checkpoint of the "
+                "model's call in "
                 "`loss_fn`), whose values cannot leave it: call the model directly")
     elif not ran:
         hint = ("`loss_fn` ran no layer of `model` (call `model`, or its "

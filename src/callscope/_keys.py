@@ -24,6 +24,7 @@ import sys
 import threading
 import types
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -204,6 +205,7 @@ class KeyTable:
         self._entries: collections.OrderedDict[tuple, Entry] = collections.OrderedDict()
         self._lock = threading.Lock()
         self.default = Entry((), make_steps)
+        TABLES.add(self)
 
     def acquire(self, key: tuple, values: dict, limit: int) -> Entry:
         """The entry of `key`, made if new, and pinned until `release`."""
@@ -249,6 +251,9 @@ class KeyTable:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+TABLES: weakref.WeakSet[KeyTable] = weakref.WeakSet()  # every callscope model's
 
 
 def _user_stacklevel() -> int:

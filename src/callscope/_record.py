@@ -175,7 +175,7 @@ class Collector:
         self.grad_hooks = None  # torch: gradients taken by the step's own backward()
         self.manual = False  # cs.intermediate_grads takes the gradients itself
         # JAX's cs.intermediate_grads: the trace marker where `loss_fn` runs. The
-        # model's own call under another (a jax.vmap or jax.jit inside `loss_fn`)
+        # model's own call under another (a jax.vmap, jax.jit or jax.checkpoint)
         # makes values that cannot leave that transformation, as a loop's cannot.
         self.base = None
         self.discovery = False  # cs.points / cs.summary: any value is listed as it is
@@ -513,8 +513,9 @@ def loop_message(point: str, enclosing: str, named=()) -> str:
         return (
             f"`{point}` runs where the model's call runs inside a loop body or a "
             "transformation (keras.ops.scan/map/vectorized_map around the model, or, "
-            "in cs.intermediate_grads's `loss_fn` on JAX, a jax.vmap or jax.jit of "
-            "the model's call): a value made there cannot leave it, so callscope "
+            "in cs.intermediate_grads's `loss_fn` on JAX, a jax.vmap, jax.jit or "
+            "jax.checkpoint of the model's call): a value made there cannot leave it "
+            "as it is, so callscope "
             "cannot capture, patch or differentiate with respect to it. Call the "
             "model directly (in `loss_fn`, or jit the function that calls "
             f"cs.intermediate_grads). Received: {received}")

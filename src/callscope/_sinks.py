@@ -413,10 +413,7 @@ class Landing:
 
     def _release(self) -> None:
         for call in self.calls:
-            call._landing = None
-            if call._ended is not None:
-                with call._ended:
-                    call._ended.notify_all()
+            call.finish()
 
     def _close_writer(self) -> None:
         if self._writer is not None:
@@ -448,8 +445,12 @@ class Call(Mapping):
         self._per_step = CALL_KINDS.get(method) == "train"
         self._dir = directory
         self._owner = owner  # the capture's `OWNER`: its files are still these
-        self._thread = 0  # that started it (the capture's exit waits for others')
-        self._ended: threading.Condition | None = None  # notified when it ends
+        # Running from `Capture._begin` to `finish`: the capture's exit waits for
+        # the calls of other threads, notified through its condition (`_ended`).
+        self._running = False
+        self._thread = 0  # that started it
+        self._ended: threading.Condition | None = None
+        self._capture = None  # a weak reference: told when a call that outlived it ends
         self._files: dict[str, dict] = {}
         self._queued: dict[str, int] = {}  # rows handed to the writer, per key
         self._offsets: dict[str, int] = {}  # bytes handed to the writer, per file
@@ -539,6 +540,18 @@ class Call(Mapping):
         self._queued[key] += value.shape[0]
         writer.write(os.path.join(self._dir, part["file"]), np.empty(0, np.uint8),
                      functools.partial(_count_rows, entry, value.shape[0]))
+
+    def finish(self) -> None:
+        """The call ended (or failed before its run began): its capture may close."""
+        self._landing = None
+        if self._ended is None:
+            return
+        with self._ended:
+            self._running = False
+            self._ended.notify_all()
+        capture = self._capture()
+        if capture is not None:
+            capture._call_finished()
 
     # -- reading -------------------------------------------------------------
     def flush(self) -> None:
@@ -660,9 +673,10 @@ def _read(calls: list[Call], key: str) -> np.ndarray:
         stacked = {k: np.stack([m[k] for m in merged]) for k in merged[0]}
         return _reduce.finalize(_reduce.merge(stacked), stat)
     parts = []
+    for directory, owner in {(os.path.dirname(c._dir), c._owner) for c in calls
+                             if c._dir is not None and key in c._files}:
+        check_owner(directory, owner, key)
     for call in calls:
-        if call._dir is not None and key in call._files:
-            check_owner(call, key)
         if call._dir is not None and key in call._files and "parts" in call._files[key]:
             parts.append(assemble(call._dir, call._files[key]))
         elif call._dir is not None and key in call._files:
@@ -723,19 +737,29 @@ def assemble(directory: str, entry: dict) -> np.ndarray:
 OWNER = "owner.json"  # a streaming capture's id, written when it opens
 
 
+_owners: dict[str, tuple] = {}  # path -> (its stat, its owner): read once per change
+
+
 def owner_of(directory: str) -> str | None:
+    path = os.path.join(directory, OWNER)
     try:
-        with open(os.path.join(directory, OWNER)) as f:
-            return json.load(f)
+        stat = os.stat(path)
+        seen = (stat.st_ino, stat.st_dev, stat.st_mtime_ns, stat.st_size)
+        known = _owners.get(path)
+        if known is not None and known[0] == seen:
+            return known[1]
+        with open(path) as f:
+            owner = json.load(f)
     except FileNotFoundError:
         return None
+    _owners[path] = (seen, owner)
+    return owner
 
 
-def check_owner(call: Call, key: str) -> None:
-    """Refuses to read a call whose directory now holds another capture's files
+def check_owner(directory: str, owner: str | None, key: str) -> None:
+    """Refuses to read calls whose directory now holds another capture's files
     (an `overwrite=True` capture reuses the names `call_000/0000.bin`, ...)."""
-    directory = os.path.dirname(call._dir)
-    if call._owner is not None and owner_of(directory) != call._owner:
+    if owner is not None and owner_of(directory) != owner:
         raise ValueError(
             f"The files of this capture in `{directory}` were deleted or replaced (by "
             "a later cs.capture(to=..., overwrite=True) on that directory, say): "

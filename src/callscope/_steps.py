@@ -164,6 +164,15 @@ def _check_agreed(sown: dict) -> None:
     disagreed = sorted({_shown(_record.split_record(name.split("|", 1)[1]))
                         for name, same in answers.items()
                         if not np.all(_reduce.to_numpy(same))})
+    arguments = [p for p in disagreed if ":input" in p]
+    if arguments:  # a layer's 0-d argument computed from each replica's rows
+        raise ValueError(
+            f"{', '.join(f'`{p}`' for p in arguments)}: the replicas of tf.distribute "
+            "passed different 0-d values for this layer argument (computed from "
+            "their own rows, say), so no value is the batch's, as on one device. "
+            "Leave it out of the selection (capture kinds without 'input', or a glob "
+            "that does not match the layer), or capture the rows it is computed from. "
+            f"Received: points={arguments}")
     if disagreed:
         raise ValueError(
             f"{', '.join(f'`{p}`' for p in disagreed)} has no batch axis (sown with "

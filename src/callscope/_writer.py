@@ -45,6 +45,9 @@ class Writer:
         self._items: collections.deque = collections.deque()
         self._bytes = 0
         self._queued = self._written = 0
+        # (path, its size once these bytes are in, done) of writes not yet flushed
+        self._unflushed: list[tuple[str, int, Callable[[], None]]] = []
+        self._sizes: dict[str, int] = {}  # bytes handed to each file
         self._error: BaseException | None = None
         self._failed = ""  # the file it could not write
         self._closing = False
@@ -105,15 +108,25 @@ class Writer:
                     os.makedirs(os.path.dirname(path), exist_ok=True)
                     file = self._files[path] = open(path, "xb")  # never truncates
                 file.write(array.reshape(-1).view(np.uint8))
-                # Flushed before `done` counts the rows: an index that counts rows
-                # still in the file object's buffer reads past the end of a file
-                # that a full disk cut short (and a reader maps the file at once).
-                file.flush()
+                self._sizes[path] = self._sizes.get(path, 0) + array.nbytes
                 with self._cond:
                     self._items.popleft()
                     self._bytes -= array.nbytes
-                    done()
-                    self._written += 1
+                    self._unflushed.append((path, self._sizes[path], done))
+                    self._cond.notify_all()  # a caller waiting for room
+                    if self._items:
+                        continue
+                # Idle: flushed, then counted (not at each write: a flush of each
+                # small write is a system call each). An index that counted rows
+                # still in a file object's buffer would read past the end of a
+                # file that a full disk cut short (a reader maps the file at once).
+                for path, f in self._files.items():  # noqa: B007 - `path`: the one that failed
+                    f.flush()
+                with self._cond:
+                    for _, _, counted in self._unflushed:
+                        counted()
+                    self._written += len(self._unflushed)
+                    self._unflushed.clear()
                     self._cond.notify_all()
         except BaseException as error:  # noqa: BLE001 - handed to the caller's thread
             with self._cond:
@@ -128,3 +141,8 @@ class Writer:
                     with self._cond:
                         self._error = self._error or error
             self._files.clear()
+            # After a failure, the writes whose bytes all reached the disk count.
+            for path, size, counted in self._unflushed:
+                if os.path.exists(path) and size <= os.path.getsize(path):
+                    counted()
+            self._unflushed.clear()

@@ -117,6 +117,12 @@ def step_with_grads(model, kind, step, args, kwargs, collector):
 
 
 def value_and_grads(collector, loss_fn, args):
+    if torch.is_inference_mode_enabled():  # enable_grad cannot undo it: 0 everywhere
+        raise RuntimeError(
+            "cs.intermediate_grads cannot differentiate inside torch.inference_mode(), "
+            "where torch records no graph (every gradient would read 0). Call it "
+            "outside, or inside torch.no_grad(), where it re-enables gradients. "
+            "Received: torch.is_inference_mode_enabled()=True")
     collector.on_grad_source = _source
     with torch.enable_grad():  # also inside the caller's `torch.no_grad()`
         result = loss_fn(*args)
