@@ -72,14 +72,14 @@ def test_jax_data_parallel_on_four_cpu_devices_matches_one_device():
     assert dist["error"].startswith("callscope needs a variable for the first value of "
                                     "`temperature` of `seq`, and under a JAX "
                                     "keras.distribution")
-    assert dist["error"].endswith("Received: 1 other call(s) running")
+    assert dist["error"].endswith("Received: running_calls=1")
     assert dist["trained"] and dist["finite"]
     np.testing.assert_allclose(np.asarray(dist["predict"]).shape, (16, 1))
     # The same for a callscope model inside another: the outer model's functions
     # are made again (they failed on their output shardings), and a first value
     # given while the outer model's fit runs is refused.
     nested = results["distributed_nested"]
-    assert nested["during_fit"].endswith("Received: 1 other call(s) running")
+    assert nested["during_fit"].endswith("Received: running_calls=1")
     np.testing.assert_allclose(nested["inner_warm"],
                                np.asarray(nested["outer_after_fit"]) * 0.5, rtol=1e-5)
     np.testing.assert_allclose(nested["outer_after"], nested["outer_after_fit"], rtol=1e-5)

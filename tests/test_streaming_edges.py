@@ -270,7 +270,7 @@ def test_a_call_that_waits_for_the_closing_thread_does_not_hang_its_exit(tmp_pat
                 fed[index] = items.get(timeout=60)
             return (fed[index],)
 
-    with pytest.warns(UserWarning, match="still run in other threads 0.5 s after") as caught:
+    with pytest.warns(UserWarning, match="running after WAIT_S=0.5 s") as caught:
         with cs.capture(model, "m/d1", to=tmp_path) as cap:
             context = contextvars.copy_context()
             worker = threading.Thread(target=context.run, args=(
@@ -278,7 +278,7 @@ def test_a_call_that_waits_for_the_closing_thread_does_not_hang_its_exit(tmp_pat
             worker.start()
             assert asked.wait(60)  # its call has begun
             items.put(X[:4])
-    message = next(str(w.message) for w in caught if "still run" in str(w.message))
+    message = next(str(w.message) for w in caught if "WAIT_S" in str(w.message))
     assert "its index on disk is written again when the last ends" in message
     with pytest.raises(ValueError, match="another open cs.capture"):  # still its own
         with cs.capture(model, "m/d1", to=tmp_path, overwrite=True):

@@ -161,15 +161,22 @@ class Capture(Mapping):
 
     def _call_finished(self) -> None:
         """A call ended: the last of those that outlived the scope writes the index
-        again (one process: several meet at barriers to write one)."""
+        again (one process: several meet at barriers to write one), and lets the
+        directory go. Under the lock, as the exit's write and its decision are: one
+        of the two writes last and releases the directory, once."""
         with self._lock:
             if not self._late or self._running(False):
                 return
             self._late = False
-        try:
-            self._write_index()
-        finally:
-            _claimed.release(self._claim)  # held until then: no other capture there
+            try:
+                self._write_index()
+            except Exception as error:  # noqa: BLE001 - not the late call's failure
+                warnings.warn(
+                    f"cs.capture could not write the index of `{self._dir}` again when "
+                    f"its last call ended: {error}. It counts the rows written when its "
+                    f"scope closed. Received: to={self._dir!r}", stacklevel=2)
+            finally:
+                _claimed.release(self._claim)
 
     def _records(self, runs: tuple) -> bool:
         """Whether this capture records one of `runs`."""
@@ -263,33 +270,37 @@ class Capture(Mapping):
         self._id = _sinks.owner_of(self._dir)
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        late = False
         try:
             _scope.exit_capture(self._token)
             with self._lock:
                 self._closed = True
             whole = self._wait_for_other_threads()
+            one_process = _backend.process_index()[1] == 1
             if not whole:
                 warnings.warn(
-                    f"cs.capture: {len(self._running(True))} call(s) that it records, "
-                    "started in contexts copied inside its scope, still run in other "
-                    f"threads {WAIT_S:g} s after the scope closed (one may wait for "
-                    "this thread). Their values go on arriving in the capture"
-                    + (", and its index on disk is written again when the last ends"
-                       if self._dir is not None and _backend.process_index()[1] == 1
-                       else "") + ". Join those threads before the scope closes for a "
-                    "capture that is whole when it does.", stacklevel=2)
+                    "cs.capture: calls that it records, started in contexts copied "
+                    "inside its scope, still run in other threads after the scope "
+                    "closed (one may wait for this thread). Their values go on arriving "
+                    "in the capture" + (
+                        ", and its index on disk is written again when the last ends"
+                        if self._dir is not None and one_process else "")
+                    + ". Join those threads before the scope closes for a capture that "
+                    f"is whole when it does. Received: {len(self._running(True))} "
+                    f"call(s) running after WAIT_S={WAIT_S:g} s", stacklevel=2)
             nothing = whole and bool(self.calls) and not any(len(c) for c in self.calls)
-            if (self._dir is not None and (exc_type is not None or nothing) and whole
-                    and _backend.process_index()[1] == 1
-                    and not any(c._files for c in self.calls)):
-                self._leave_directory()  # as found: the same `to=` works next time
-            else:
-                self._write_index(complete=exc_type is None)
-                with self._lock:  # a call still running writes it again when it ends
-                    self._late = (self._dir is not None and bool(self._running(False))
-                                  and _backend.process_index()[1] == 1)
+            with self._lock:  # (the late calls' `_call_finished` waits for this)
+                if (self._dir is not None and (exc_type is not None or nothing) and whole
+                        and one_process and not any(c._files for c in self.calls)):
+                    self._leave_directory()  # as found: the same `to=` works next time
+                else:
+                    self._write_index(complete=exc_type is None)
+                # A call still running writes it again when it ends, and lets the
+                # directory go then.
+                late = self._late = (self._dir is not None and one_process
+                                     and bool(self._running(False)))
         finally:
-            if self._claim is not None and not self._late:
+            if self._claim is not None and not late:
                 _claimed.release(self._claim)
         if exc_type is None and nothing:
             raise ValueError(self._nothing_matched())
@@ -305,7 +316,7 @@ class Capture(Mapping):
         if self._dir is None:
             return
         index = {"owner": self._id, "calls": [{"method": c.method, "nested": c.nested,
-                            "dir": os.path.basename(c._dir), "files": c._files}
+                            "dir": os.path.basename(c._dir), "files": c.files()}
                            for c in self.calls]}
         me, processes = _backend.process_index()
         if processes == 1:

@@ -195,7 +195,7 @@ class Engine(CaptureMixin):
         after its weights were taken out of the variables, so the variable is
         refused there. (Any callscope model's: which hold this one is not known.)"""
         distributed = _JAX and keras.distribution.distribution() is not None
-        tables = list(_keys.TABLES) if distributed else []
+        tables = _keys.every_table() if distributed else []
         running = sum(table.users() for table in tables) - own
         if running > 0:
             raise RuntimeError(
@@ -205,7 +205,7 @@ class Engine(CaptureMixin):
                 "call is) breaks that call's compiled step, whose output shardings "
                 "Keras fixed when it made it. Make one call with it before such a "
                 "call starts (e.g. a `predict` on one batch before `fit`). Received: "
-                f"{running} other call(s) running")
+                f"running_calls={running}")
         _keras_compat.add_hidden_state(self, variable)
         for table in tables:
             table.clear()

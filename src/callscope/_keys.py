@@ -205,7 +205,8 @@ class KeyTable:
         self._entries: collections.OrderedDict[tuple, Entry] = collections.OrderedDict()
         self._lock = threading.Lock()
         self.default = Entry((), make_steps)
-        TABLES.add(self)
+        with _TABLES_LOCK:
+            _TABLES.add(self)
 
     def acquire(self, key: tuple, values: dict, limit: int) -> Entry:
         """The entry of `key`, made if new, and pinned until `release`."""
@@ -253,7 +254,13 @@ class KeyTable:
         return len(self._entries)
 
 
-TABLES: weakref.WeakSet[KeyTable] = weakref.WeakSet()  # every callscope model's
+_TABLES: weakref.WeakSet[KeyTable] = weakref.WeakSet()  # every callscope model's
+_TABLES_LOCK = threading.Lock()  # a WeakSet cannot be listed while one is added
+
+
+def every_table() -> list[KeyTable]:
+    with _TABLES_LOCK:
+        return list(_TABLES)
 
 
 def _user_stacklevel() -> int:

@@ -393,15 +393,20 @@ class Landing:
     def end(self, error: BaseException | None = None) -> None:
         """Lands the last step, flushes and closes the files, and raises what
         failed. After a failure of the run (`error`), adds it to that as a note."""
-        with self._lock:
-            problems = [self.failure] if self.failure is not None else []
-            # Released last: a capture's exit waits for the release of its calls
-            # run in other threads, then writes an index of what is on disk.
-            for finish in (self.land, self._close_writer, self._release):
-                try:
-                    finish()
-                except Exception as problem:
-                    problems.append(problem)
+        try:
+            with self._lock:
+                problems = [self.failure] if self.failure is not None else []
+                for finish in (self.land, self._close_writer):
+                    try:
+                        finish()
+                    except Exception as problem:
+                        problems.append(problem)
+        finally:
+            # Released last, whatever happened (an interrupt too): a capture's exit
+            # waits for its calls run in other threads, then writes an index of
+            # what is on disk. Outside the lock: that exit holds its capture's lock
+            # while it reads this landing's calls.
+            self._release()
         if not problems:
             return
         if error is None:
@@ -412,8 +417,13 @@ class Landing:
             error.add_note(f"callscope could not finish the capture: {problems[0]}")
 
     def _release(self) -> None:
-        for call in self.calls:
-            call.finish()
+        calls = list(self.calls)
+        try:
+            while calls:
+                calls.pop(0).finish()
+        finally:  # one that raised (an interrupt) leaves the others finished too
+            for call in calls:
+                call.finish()
 
     def _close_writer(self) -> None:
         if self._writer is not None:
@@ -540,6 +550,11 @@ class Call(Mapping):
         self._queued[key] += value.shape[0]
         writer.write(os.path.join(self._dir, part["file"]), np.empty(0, np.uint8),
                      functools.partial(_count_rows, entry, value.shape[0]))
+
+    def files(self) -> dict:
+        """The index's entries of this call, as now (its run may be adding keys)."""
+        with self.held():
+            return {key: dict(entry) for key, entry in self._files.items()}
 
     def finish(self) -> None:
         """The call ended (or failed before its run began): its capture may close."""
