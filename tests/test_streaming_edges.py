@@ -290,3 +290,77 @@ def test_a_call_that_waits_for_the_closing_thread_does_not_hang_its_exit(tmp_pat
                                _stock(model, "d1", X), rtol=1e-5)
     with cs.capture(model, "m/d1", to=tmp_path, overwrite=True):  # released
         model.predict(X, verbose=0)
+
+
+def test_an_interrupt_while_a_run_ends_leaves_no_directory_claimed(tmp_path, monkeypatch):
+    """A KeyboardInterrupt in the writer's join skipped the release of the call:
+    the exit thought it late and kept its directory claimed for the process."""
+    model = _model()
+    close = _writer.Writer.close
+
+    def interrupted(self):
+        close(self)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_writer.Writer, "close", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        with cs.capture(model, "m/d1", to=tmp_path):
+            model.predict(X, batch_size=4, verbose=0)
+    monkeypatch.setattr(_writer.Writer, "close", close)
+    with cs.capture(model, "m/d1", to=tmp_path, overwrite=True) as again:  # not claimed
+        model.predict(X, batch_size=4, verbose=0)
+    np.testing.assert_allclose(again["m/d1:output"], _stock(model, "d1", X), rtol=1e-5)
+
+
+def test_a_late_index_that_cannot_be_written_warns_and_the_other_captures_end(tmp_path,
+                                                                            monkeypatch):
+    """Two captures late on one call: the first's index write failed (a full
+    disk), raised a bare FileNotFoundError in the worker's call, and left
+    the second's call running and its directory claimed for good."""
+    import time
+
+    from callscope import _capture
+
+    monkeypatch.setattr(_capture, "WAIT_S", 0.3)
+    model = _model()
+    model.predict(X, verbose=0)
+    gone, kept = tmp_path / "gone", tmp_path / "kept"
+    release = threading.Event()
+
+    class Held(keras.callbacks.Callback):
+        def on_predict_batch_end(self, batch, logs=None):
+            release.wait(30)
+
+    errors = []
+
+    def predict():
+        try:
+            model.predict(X, batch_size=4, verbose=0, callbacks=[Held()])
+        except Exception as error:  # noqa: BLE001 - asserted below
+            errors.append(error)
+
+    with pytest.warns(UserWarning) as caught:  # (the warnings module is the process's)
+        with cs.capture(model, "m/d1", to=gone), cs.capture(model, "m/d1", to=kept) as cap:
+            worker = threading.Thread(target=contextvars.copy_context().run,
+                                      args=(predict,))
+            worker.start()
+            while not cap.calls:
+                time.sleep(0.01)
+        write_json = _capture._write_json
+
+        def full(path, value):  # the late index of `gone` meets a full disk
+            if path.startswith(str(gone)):
+                raise OSError(errno.ENOSPC, "No space left on device")
+            write_json(path, value)
+
+        monkeypatch.setattr(_capture, "_write_json", full)
+        release.set()
+        worker.join(60)
+    caught = [str(w.message) for w in caught]
+    assert any("WAIT_S=0.3" in m for m in caught), caught
+    assert errors == []
+    assert any("could not write the index of" in m and str(gone) in m for m in caught), caught
+    np.testing.assert_allclose(cs.load_capture(kept)["m/d1:output"], _stock(model, "d1", X),
+                               rtol=1e-5)
+    with cs.capture(model, "m/d1", to=kept, overwrite=True):  # let go
+        model.predict(X, verbose=0)
