@@ -143,13 +143,7 @@ def nested_first_value():
     outer = cs.Sequential([keras.Input((2,)), inner], name="outer")
     outer.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
     out = {"before": outer.predict(X, batch_size=8, verbose=0).tolist()}
-    callback = keras.callbacks.LambdaCallback(
-        on_epoch_end=lambda epoch, logs: inner.predict(X, temperature=0.5, verbose=0))
-    try:
-        outer.fit(X, Y, epochs=1, batch_size=8, verbose=0, callbacks=[callback])
-        out["during_fit"] = None
-    except RuntimeError as e:
-        out["during_fit"] = str(e)
+    out["during_fit"] = fit_giving_a_first_value(outer, inner, 0.5, epochs=1)
     out["outer_after_fit"] = outer.predict(X, batch_size=8, verbose=0).tolist()
     out["inner_warm"] = inner.predict(X, batch_size=8, temperature=0.5, verbose=0).tolist()
     out["outer_after"] = outer.predict(X, batch_size=8, verbose=0).tolist()
@@ -158,17 +152,21 @@ def nested_first_value():
     return out
 
 
+def fit_giving_a_first_value(fitted, model, temperature, epochs):
+    """`fitted.fit` whose callback gives `model` a dynamic value: its error, if any."""
+    callback = keras.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: model.predict(
+        X, temperature=temperature, verbose=0))
+    try:
+        fitted.fit(X, Y, epochs=epochs, batch_size=8, verbose=0, callbacks=[callback])
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
 def first_value_during_fit(model):
     """The first dynamic value given by a callback while `fit` runs."""
-    out = {}
     before = [np.asarray(keras.ops.convert_to_numpy(w)) for w in model.weights]
-    callback = keras.callbacks.LambdaCallback(
-        on_epoch_end=lambda epoch, logs: model.predict(X, temperature=2.0, verbose=0))
-    try:
-        model.fit(X, Y, epochs=2, batch_size=8, verbose=0, callbacks=[callback])
-        out["error"] = None
-    except RuntimeError as e:
-        out["error"] = str(e)
+    out = {"error": fit_giving_a_first_value(model, model, 2.0, epochs=2)}
     after = [np.asarray(keras.ops.convert_to_numpy(w)) for w in model.weights]
     out["trained"] = any(not np.allclose(a, b) for a, b in zip(before, after))
     out["finite"] = all(np.isfinite(a).all() for a in after)
