@@ -520,12 +520,12 @@ def loop_message(point: str, enclosing: str, named=()) -> str:
             "model directly (in `loss_fn`, or jit the function that calls "
             f"cs.intermediate_grads). Received: {received}")
     return (
-        f"`{point}` runs inside a loop body in `{enclosing or 'the model'}` (an RNN's "
+        f"`{point}` runs inside a loop body in `{enclosing}` (an RNN's "
         "cell, or keras.ops.scan/fori_loop/while_loop/map/vectorized_map, a branch "
         "of keras.ops.cond/switch, or a checkpoint: keras.remat, jax.checkpoint, "
         "tf.recompute_grad): a value made inside one cannot leave it, so "
         "callscope cannot capture or patch it. Capture "
-        f"or patch `{enclosing or 'the layer that runs the loop'}` instead (its output "
+        f"or patch `{enclosing}` instead (its output "
         "holds every step of the loop), or compute the value outside the loop. "
         f"Received: {received}"
     )

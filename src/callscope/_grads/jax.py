@@ -15,6 +15,8 @@ of the shapes the trace found.
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -90,6 +92,17 @@ def step_with_grads(model, kind, step, args, kwargs, collector):
 # --------------------------------------------------------------------------
 # cs.intermediate_grads: one trace of `loss_fn`
 # --------------------------------------------------------------------------
+@contextlib.contextmanager
+def _based(collector):
+    """`loss_fn` runs here: the model's call under another trace (a jax.vmap or
+    jax.jit inside it) is a loop point (`Collector.in_loop`)."""
+    collector.base = _backend.trace_marker()
+    try:
+        yield
+    finally:
+        collector.base = None
+
+
 def _split(result):
     return (result[0], result[1:]) if isinstance(result, tuple) else (result, ())
 
@@ -109,11 +122,8 @@ def value_and_grads(collector, loss_fn, args):
         return marked
 
     def traced(*args):
-        collector.base = _backend.trace_marker()
-        try:
+        with _based(collector):
             return loss_fn(*args), collector.records, placeholders
-        finally:
-            collector.base = None
 
     previous = collector.on_grad_source
     collector.on_grad_source = mark
@@ -185,11 +195,8 @@ def _fallback(collector, loss_fn, args, sources):
     del collector.tree[:]
 
     def forward(perturbations):
-        collector.base = _backend.trace_marker()
-        try:
+        with _based(collector):
             loss, aux = _split(_perturbed(collector, loss_fn)(perturbations, *args))
-        finally:
-            collector.base = None
         return loss, (aux, collector.records)
 
     (loss, (aux, records)), grads = jax.value_and_grad(forward, has_aux=True)(zeros)
