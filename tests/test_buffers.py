@@ -265,7 +265,7 @@ def test_each_step_crosses_to_the_host_once_and_statistics_merge_as_they_arrive(
             cs.capture(model, "*/out") as full:
         model.predict(x, batch_size=batch, verbose=0)
     # One transfer per step for every point of both captures: the full tensor, and
-    # one array for every partial (n, mean, m2, max, hist) of the 2 points.
+    # one array for every partial (n, mean, sd, max, hist) of the 2 points.
     assert len(transfers) == steps
     assert set(transfers) == {2}
     # Merged as they arrive: the host keeps less than a block of rows, not a row a step.

@@ -650,6 +650,69 @@ def test_points_inside_a_checkpoint_are_loop_points(how, run_eagerly):
         assert "d1" not in model._cs_known_points()
 
 
+class _CustomGradient(keras.layers.Layer):
+    """Doubles its input through `keras.ops.custom_gradient` (the true gradient)
+    and sows the doubled value inside; `custom=False`: the same without it."""
+
+    def __init__(self, custom=True, **kwargs):
+        super().__init__(**kwargs)
+        self.custom = custom
+
+    def call(self, x):
+        def body(t):
+            return cs.sow(self, "doubled", t * 2.0)
+
+        if not self.custom:
+            return body(x) + 0.0
+
+        @keras.ops.custom_gradient
+        def doubled(t):
+            def grad(*args, upstream=None):
+                return (args[0] if upstream is None else upstream) * 2.0
+
+            return body(t), grad
+
+        return doubled(x) + 0.0
+
+
+@pytest.mark.parametrize("run_eagerly", [False, True])
+def test_a_value_sown_inside_a_custom_gradient_function_is_a_loop_point(run_eagerly):
+    """A value made inside `keras.ops.custom_gradient`'s function: TF's compiled
+    step read its gradient as 0 (the override cuts the path), torch raised its own
+    error (it runs the function without gradients), JAX refused it in fit but
+    captured it in a direct call. Now a loop point everywhere: a glob leaves it
+    out, the rest equal the model without the custom gradient, and naming it
+    raises."""
+    weights = None
+    caps = {}
+    for custom in (True, False):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((3,))
+        h = _CustomGradient(custom, name="cg")(keras.layers.Dense(3, name="d")(inputs))
+        model = cs.Model(inputs, keras.layers.Dense(1, name="head")(h), name="m")
+        model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse", run_eagerly=run_eagerly)
+        if weights is None:
+            weights = model.get_weights()
+        model.set_weights(weights)
+        with cs.capture(model, "*", kinds=("output", "grad")) as caps[custom]:
+            model.fit(X, Y, batch_size=len(X), epochs=1, shuffle=False, verbose=0)
+        if custom:
+            with pytest.raises(cs.LoopPointError, match=r"keras.ops.custom_gradient.*"
+                               r"Capture or patch `m/cg` instead"):
+                with cs.capture(model, ["m/cg/doubled"], kinds=("grad",)):
+                    model.fit(X, Y, batch_size=len(X), epochs=1, shuffle=False, verbose=0)
+            with pytest.raises(cs.LoopPointError, match="custom_gradient"):
+                with cs.capture(model, ["m/cg/doubled"]):
+                    model(X)
+    inside = {"m/cg/doubled:output", "m/cg/doubled:grad"}
+    assert inside <= set(caps[False].keys())
+    assert set(caps[True].keys()) == set(caps[False].keys()) - inside
+    for key in caps[True].keys():
+        np.testing.assert_allclose(numpy(caps[True][key]), numpy(caps[False][key]),
+                                   rtol=1e-5, atol=1e-7, err_msg=key)
+    assert np.abs(numpy(caps[True]["m/cg:grad"])).max() > 1e-3
+
+
 class _SowingCheckpointed(_Checkpointed):
     """The body's first layer sows a value, and the body's output is a tuple."""
 

@@ -111,6 +111,17 @@ def test_a_checkpoint_body_is_counted_and_tf_recording_stopped_is_seen():
         keras.ops.ones((2,)))
     assert depths == [1], f"keras {keras.__version__} moved `remat`: {depths}"
     assert _keras_compat.loop_depth() == 0
+
+    # ... and `backend.core.custom_gradient`, which keras.ops.custom_gradient calls.
+    @keras.ops.custom_gradient
+    def doubled(x):
+        depths.append(_keras_compat.loop_depth())
+        return x * 2.0, lambda *args, upstream=None: 2.0 * (
+            args[0] if upstream is None else upstream)
+
+    doubled(keras.ops.ones((2,)))
+    assert depths == [1, 1], f"keras {keras.__version__} moved `custom_gradient`: {depths}"
+    assert _keras_compat.loop_depth() == 0
     if BACKEND == "tensorflow":
         import tensorflow as tf
 

@@ -146,6 +146,55 @@ def test_rms_without_std_is_right_where_squares_leave_float32s_range(jit_compile
 
 
 @pytest.mark.parametrize("jit_compile", JIT)
+@pytest.mark.parametrize("stats", [("std",), ("mean", "std", "rms", "absmax")],
+                         ids=["std", "std_rms"])
+def test_std_is_right_where_squares_leave_float32s_range(jit_compile, stats):
+    """Vanishing gradients: `std` read 0 for values under about 1e-19 (JAX and
+    TF; torch under 1e-22), whose squared deviations flush to 0 or fall below
+    float32's range, and `rms` asked for with it read |mean|; over about 1e19 the
+    squares overflowed and `std` read inf. The partial is now a root, from
+    deviations scaled by the largest. Spreads around a mean, a spread alone,
+    a constant (std 0) and huge values; three steps merged (predict), and a
+    direct call (run op by op on JAX)."""
+    model = _ident()
+    model.compile(jit_compile=jit_compile)
+    rng = np.random.default_rng(5)
+    for x in ((1e-20 * rng.uniform(1, 2, size=(6, 4))).astype("float32"),
+              (1e-24 * rng.normal(size=(6, 4))).astype("float32"),
+              (3e-23 + 1e-25 * rng.normal(size=(6, 4))).astype("float32"),
+              np.full((6, 4), 3e-21, "float32"),
+              (1e20 * rng.normal(size=(6, 4))).astype("float32")):
+        wide = x.astype(np.float64)
+        for batch_size in (2, None):  # None: a direct call
+            with cs.capture(model, "m/ident", reduce=stats) as cap:
+                if batch_size is None:
+                    model(x)
+                else:
+                    model.predict(x, batch_size=batch_size, verbose=0)
+            assert cap["m/ident:output/std"] == pytest.approx(wide.std(), rel=1e-5, abs=0)
+            if "rms" in stats:
+                assert cap["m/ident:output/rms"] == pytest.approx(
+                    np.sqrt((wide ** 2).mean()), rel=1e-5, abs=0)
+
+
+@pytest.mark.parametrize("offset", [0.0, 3.0])
+def test_std_and_rms_of_a_tensor_of_millions_of_elements_keep_float32s_rounding(offset):
+    """torch's CPU dot product sums squares in float32 accumulators that lose bits
+    with length: `std` of a 4M-element tensor was off by 1.2e-5 (2e-4 at 16M),
+    where a float32 sum is off by about 1e-7. The partials of each kind, against
+    float64."""
+    rng = np.random.default_rng(8)
+    x = (offset + rng.normal(size=(2048, 2051))).astype("float32")
+    wide = x.astype(np.float64)
+    for stats in (("mean", "std"), ("rms",)):
+        parts = _device_partials(x, stats)
+        if "std" in stats:
+            assert parts["sd"][0] == pytest.approx(wide.std(), rel=1e-6)
+        else:
+            assert parts["qm"][0] == pytest.approx(np.sqrt((wide ** 2).mean()), rel=1e-6)
+
+
+@pytest.mark.parametrize("jit_compile", JIT)
 @pytest.mark.parametrize("stats", [("mean",), ("mean", "std"), ("std", "rms")])
 def test_a_mean_whose_sum_overflows_reads_inf_whatever_else_is_asked(jit_compile, stats):
     """The documented limit: the mean of values whose float32 sum passes 3.4e38 is
@@ -257,7 +306,7 @@ def _partials_of(values):
     f = np.asarray(values, np.float64)
     f = f[np.isfinite(f)]
     mean = f.mean() if f.size else 0.0
-    return {"n": f.size, "mean": mean, "m2": ((f - mean) ** 2).sum(),
+    return {"n": f.size, "mean": mean, "sd": f.std() if f.size else 0.0,
             "qm": np.sqrt((f ** 2).mean()) if f.size else 0.0,
             "min": f.min() if f.size else np.inf, "max": f.max() if f.size else -np.inf,
             "absmax": np.abs(f).max() if f.size else -np.inf, "nzero": (f == 0).sum(),
@@ -267,7 +316,7 @@ def _partials_of(values):
 
 def test_merge_skips_rows_with_no_data_even_if_their_mean_is_nan():
     a, b = [0.5, -2.0, 3.0], [1.0, 0.0]
-    empty = dict(_partials_of([]), mean=np.nan, m2=np.nan, qm=np.nan)  # e.g. an idle replica
+    empty = dict(_partials_of([]), mean=np.nan, sd=np.nan, qm=np.nan)  # e.g. an idle replica
     rows = _rows(_partials_of(a), empty, _partials_of(b), empty)
     with np.errstate(all="raise"), warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -277,7 +326,7 @@ def test_merge_skips_rows_with_no_data_even_if_their_mean_is_nan():
         assert _reduce.finalize(merged, "mean") == pytest.approx(both.mean())
         assert _reduce.finalize(merged, "std") == pytest.approx(both.std())
         assert _reduce.finalize(merged, "rms") == pytest.approx(np.sqrt((both ** 2).mean()))
-        with_std = {k: v for k, v in merged.items() if k != "qm"}  # rms from mean and m2
+        with_std = {k: v for k, v in merged.items() if k != "qm"}  # rms from mean and sd
         assert _reduce.finalize(with_std, "rms") == pytest.approx(np.sqrt((both ** 2).mean()))
         assert _reduce.finalize(merged, "min") == -2.0
         assert _reduce.finalize(merged, "absmax") == 3.0
@@ -288,7 +337,7 @@ def test_merge_each_gives_one_row_per_step_from_its_replicas_rows():
     # Under tf.distribute a step's partials have one row per replica; an idle
     # replica's row is no data.
     a, b, c = [0.5, -2.0, 3.0], [1.0, 0.0], [4.0, np.nan]
-    empty = dict(_partials_of([]), mean=np.nan, m2=np.nan)
+    empty = dict(_partials_of([]), mean=np.nan, sd=np.nan)
     steps = [_rows(_partials_of(a), _partials_of(b)), _rows(_partials_of(c), empty)]
     with np.errstate(all="raise"), warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -375,7 +424,7 @@ def test_partials_of_a_tensor_with_nan_and_inf():
 def test_partials_with_no_finite_value_hold_identities(x):
     parts = _device_partials(x)
     _check_partials(parts, x)
-    assert parts["mean"][0] == 0 and parts["m2"][0] == 0  # never NaN
+    assert parts["mean"][0] == 0 and parts["sd"][0] == 0  # never NaN
     assert parts["min"][0] == np.inf and parts["max"][0] == -np.inf
     assert parts["absmax"][0] == -np.inf
     assert _device_partials(x, ("rms",))["qm"][0] == 0  # never NaN
@@ -480,7 +529,7 @@ def test_a_length_unknown_when_traced_may_be_empty_or_not():
         _check_partials(parts, x)
         if not x.size:
             assert parts["min"][0] == np.inf and parts["max"][0] == -np.inf
-            assert parts["mean"][0] == 0 and parts["m2"][0] == 0
+            assert parts["mean"][0] == 0 and parts["sd"][0] == 0
 
 
 @pytest.mark.skipif(BACKEND != "torch", reason="the plain-torch fast path")
@@ -538,10 +587,10 @@ def test_std_of_a_large_tensor_is_right_to_float32s_rounding(ratio):
     else:
         fn = lambda t: _reduce.partials(t, ("mean", "std"), BINS, RANGE)  # noqa: E731
     parts = {k: numpy(v) for k, v in fn(keras.ops.convert_to_tensor(x)).items()}
-    std = np.sqrt(expected["m2"] / x.size)
+    std = expected["sd"]
     # The mean's error against the spread (at ratio 0 the mean itself is ~0).
     assert abs(parts["mean"][0] - expected["mean"]) < 2e-6 * max(std, abs(expected["mean"]))
-    assert abs(parts["m2"][0] / expected["m2"] - 1) < 2e-6
+    assert abs(parts["sd"][0] / std - 1) < 1e-6
 
 
 # Mixed precision: statistics of the values a bfloat16 layer returned.

@@ -644,18 +644,24 @@ def mark_loops() -> None:
     # traces it apart (its values cannot leave it), TF's `recompute_grad` runs it
     # unrecorded (a gradient of a value inside read 0), and torch runs it again in
     # the backward pass; so on every backend its layers are points of the
-    # enclosing layer's loop, never silently wrong ones.
+    # enclosing layer's loop, never silently wrong ones. So does the function
+    # given to `keras.ops.custom_gradient` (keras 3.15.1: ops/core.py calls
+    # `backend.core.custom_gradient(f)` when it wraps f): TF's compiled step cut
+    # a gradient taken inside it to 0 (its gradient override stands between),
+    # torch runs it without gradients (a gradient inside raised torch's own
+    # error), and JAX traces it apart.
     for home in dict.fromkeys([core, getattr(backend, "ops", None)]):
-        remat = getattr(home, "remat", None)
-        if remat is None or getattr(remat, "_callscope_loop", False):
-            continue
+        for name in ("remat", "custom_gradient"):
+            wrap = getattr(home, name, None)
+            if wrap is None or getattr(wrap, "_callscope_loop", False):
+                continue
 
-        @functools.wraps(remat)
-        def counted_remat(f, _remat=remat):
-            return _remat(_counted(f))  # the body, wherever the checkpoint runs it
+            @functools.wraps(wrap)
+            def counted_body(f, _wrap=wrap):
+                return _wrap(_counted(f))  # the body, wherever the backend runs it
 
-        counted_remat._callscope_loop = True
-        home.remat = counted_remat
+            counted_body._callscope_loop = True
+            setattr(home, name, counted_body)
 
 
 def _counted(f):

@@ -522,8 +522,9 @@ def loop_message(point: str, enclosing: str, named=()) -> str:
     return (
         f"`{point}` runs inside a loop body in `{enclosing}` (an RNN's "
         "cell, or keras.ops.scan/fori_loop/while_loop/map/vectorized_map, a branch "
-        "of keras.ops.cond/switch, or a checkpoint: keras.remat, jax.checkpoint, "
-        "tf.recompute_grad): a value made inside one cannot leave it, so "
+        "of keras.ops.cond/switch, a checkpoint: keras.remat, jax.checkpoint, "
+        "tf.recompute_grad, or a function given to keras.ops.custom_gradient): "
+        "a value made inside one cannot leave it, so "
         "callscope cannot capture or patch it. Capture "
         f"or patch `{enclosing}` instead (its output "
         "holds every step of the loop), or compute the value outside the loop. "

@@ -1,14 +1,19 @@
 """On-device statistics of captured tensors, and their exact merge on the host.
 
 A compiled step cannot hand back a running aggregate, so each step returns small
-*partials* per captured tensor: element count, mean, centred sum of squares (M2),
-root mean square (for `rms` without `std`: one pass, where it would take the
-mean's and M2's three), min, max, absmax, zero count, NaN and inf counts and
+*partials* per captured tensor: element count, mean, standard deviation (`sd`,
+the root of the centred sum of squares M2 over the count), root mean square (for
+`rms` without `std`: one pass, where it would take the mean's and M2's three),
+min, max, absmax, zero count, NaN and inf counts and
 histogram counts, each with a
 leading axis of 1 so that Keras can concatenate them across steps. The host merges
 partials with Chan's parallel formula in float64, which is exact up to rounding
 (never an average of per-batch means). Statistics are computed in float32 whatever
-the compute dtype, so mixed precision does not overflow them.
+the compute dtype, so mixed precision does not overflow them. The spreads are
+roots (`sd`, `qm`), never sums of squares, which float32 cannot hold for the
+values of a vanishing gradient (squares under 1.2e-38, flushed to 0 on a CPU) or
+of a huge one: each is computed from values scaled by their largest where the
+plain sums would lose it, and squared again only on the host, in float64.
 
 Statistics (`reduce=`): `mean`, `std`, `min`, `max`, `absmax`, `rms`, `frac_zero`,
 `hist`, `nan_count` and `inf_count`.
@@ -40,13 +45,14 @@ _JAX = keras.backend.backend() == "jax"
 _TF = keras.backend.backend() == "tensorflow"
 STATS = ("mean", "std", "min", "max", "absmax", "rms", "frac_zero", "hist",
          "nan_count", "inf_count")
-# Partials: n (finite elements), mean, m2 and qm (root mean square) over finite
+# Partials: n (finite elements), mean, sd (standard deviation) and qm (root mean
+# square) over finite
 # elements, min, max and absmax (identities +inf, -inf, -inf when n == 0), nzero,
 # nnan, ninf, hist.
 _NEEDS = {
     "mean": ("n", "mean"),
-    "std": ("n", "mean", "m2"),
-    "rms": ("n", "qm"),  # from mean and m2 instead where those are computed (`needs`)
+    "std": ("n", "mean", "sd"),
+    "rms": ("n", "qm"),  # from mean and sd instead where those are computed (`needs`)
     "min": ("n", "min"),
     "max": ("n", "max"),
     "absmax": ("n", "absmax"),
@@ -58,20 +64,20 @@ _NEEDS = {
 # Exponent and mantissa bits of the narrow float dtypes whose rounding JAX keeps
 # (and whose values torch.compile and TF's XLA read from their bits: `_from_bits`).
 _OWN_PRECISION = {"bfloat16": (8, 7), "float16": (5, 10)}
-_FINITE_ONLY = ("n", "mean", "m2", "qm", "min", "max", "absmax", "nzero", "hist")
-_SCALARS = ("n", "mean", "m2", "qm", "min", "max", "absmax", "nzero", "nnan", "ninf")
+_FINITE_ONLY = ("n", "mean", "sd", "qm", "min", "max", "absmax", "nzero", "hist")
+_SCALARS = ("n", "mean", "sd", "qm", "min", "max", "absmax", "nzero", "nnan", "ninf")
 
 
 def needs(stats) -> tuple:
     """The partials `stats` take, sorted. `rms` takes `qm`, one pass of squares,
-    unless `mean` and `m2` are computed anyway (`std`): then it is worked out from
+    unless `mean` and `sd` are computed anyway (`std`): then it is worked out from
     them on the host, as `finalize` does, at no extra pass.
 
     >>> needs(("rms", "absmax")), needs(("rms", "std"))
-    (('absmax', 'n', 'qm'), ('m2', 'mean', 'n'))
+    (('absmax', 'n', 'qm'), ('mean', 'n', 'sd'))
     """
     needed = {p for s in stats for p in _NEEDS[s]}
-    if "m2" in needed:
+    if "sd" in needed:
         needed.discard("qm")
     return tuple(sorted(needed))
 
@@ -143,7 +149,7 @@ def partials(value, stats, bins=32, hist_range=None):
         # Given the flat `x`, a `cond` branch made XLA on a CPU compute the
         # layer's output twice (see `_centred_partials`), so each branch
         # flattens the tensor itself.
-        if "m2" in needed:
+        if "sd" in needed:
             def centred():
                 return _centred_partials(flat(), flat, needed, bins, hist_range)
 
@@ -159,9 +165,11 @@ def partials(value, stats, bins=32, hist_range=None):
 def _one_pass_partials(x, needed, bins, hist_range, otherwise):
     """`partials` of a flat float32 tensor with M2 from one pass, the sum of
     squares less total * mean, where every element is finite (the sum of squares
-    is) and that cancels at most half of it (the variance is at least the mean
-    squared): a part in 2**23 of M2, about float32's rounding of a sum. Elsewhere
-    `otherwise()`, the corrected two-pass sums about the mean (`_centred_partials`).
+    is), that cancels at most half of it (the variance is at least the mean
+    squared), and M2 is at least size * 2**-96 (a CPU flushes squares under
+    2**-126 to 0: what is lost is then a part in 2**30 of M2 at most): a part in
+    2**23 of M2, about float32's rounding of a sum. Elsewhere `otherwise()`, the
+    corrected two-pass sums about the mean, scaled (`_centred_partials`).
     Against those, statistics in a compiled fit went from 1.10 to 1.04 times plain
     fit on JAX (`bench/capture.py`, figure 4, 31 pairs); on TF the kernels took
     half the time (see `_sum_of_squares`), which its fit's noise hides. torch
@@ -170,8 +178,10 @@ def _one_pass_partials(x, needed, bins, hist_range, otherwise):
     size = ops.cast(ops.shape(x)[0], "float32")
     mean = total / ops.maximum(size, 1.0)
     m2 = squares - total * mean
-    finite = _finite_partials(x, {"total": total}, needed, bins, hist_range, moments=(mean, m2))
-    return _picked({"squares": squares}, finite, otherwise, also=(2.0 * m2 >= squares,))
+    sd = ops.sqrt(ops.maximum(m2, 0.0) / ops.maximum(size, 1.0))
+    finite = _finite_partials(x, {"total": total}, needed, bins, hist_range, moments=(mean, sd))
+    return _picked({"squares": squares}, finite, otherwise,
+                   also=(2.0 * m2 >= squares, m2 >= size * 2.0**-96))
 
 
 def _sum_of_squares(x):
@@ -193,7 +203,7 @@ def _sum_of_squares(x):
 
 def _centred_partials(x, flat, needed, bins, hist_range):
     """`partials` of a flat float32 tensor `x` (`flat()` makes it again) with M2
-    summed about the mean, where the sums decide; the rest go to `_scaled_partials`."""
+    summed about the mean (`_centred`), where the sums decide; the rest go to `_scaled_partials`."""
     # The unmasked partials are computed outside the `cond`, which only picks
     # them: there XLA fuses them with the ops around them, and a compiled
     # train step ran about 2% faster (`bench/capture.py`). Where the sum is
@@ -261,11 +271,11 @@ def _masked_partials(x, needed, bins, hist_range):
     if "n" in needed:  # _NEEDS lists n with every mean
         n = _count(finite)
         out["n"] = n
-    if "mean" in needed or "m2" in needed:
+    if "mean" in needed or "sd" in needed:
         # 0 when n == 0, so that an empty partial never carries a NaN mean.
         mean = ops.sum(xf) / ops.maximum(n, 1.0)
-        if "m2" in needed:
-            mean, out["m2"] = _centred(ops.where(finite, xf - mean, 0.0), mean, n)
+        if "sd" in needed:
+            mean, out["sd"] = _centred(ops.where(finite, xf - mean, 0.0), mean, n)
         out["mean"] = mean
     if "qm" in needed:
         # Scaled by the largest |value|, so that squares past float32's range
@@ -293,17 +303,21 @@ def _masked_partials(x, needed, bins, hist_range):
 
 
 def _centred(deviations, mean, n):
-    """The mean and M2 from the deviations about a first `mean` (corrected two-pass:
-    `mean` is a float32 sum over n, off by its rounding; the deviations' own sum
-    corrects both, so a constant tensor has M2 0 and its exact value as mean, where
-    Σd² alone gave n times the rounding squared)."""
+    """The mean and the standard deviation from the deviations about a first
+    `mean` (corrected two-pass: `mean` is a float32 sum over n, off by its
+    rounding; the deviations' own sum corrects both, so a constant tensor has sd 0
+    and its exact value as mean, where Σd² alone gave n times the rounding
+    squared). The deviations are squared over their largest |value| (`_scale`),
+    so that the squares of tiny deviations do not flush to 0 (std read 0 for
+    values under 1e-19) and those of huge ones do not overflow."""
     n = ops.maximum(n, 1.0)
     drift = ops.sum(deviations)
-    m2 = ops.sum(ops.square(deviations)) - ops.square(drift) / n
+    scale = _scale(ops.max(ops.abs(deviations), initial=0.0))
+    m2 = ops.sum(ops.square(deviations / scale)) - ops.square(drift / scale) / n
     # A correction that is not finite is left out: a mean whose sum overflowed is
     # inf, and its deviations -inf (corrected, it read NaN).
     shift = ops.nan_to_num(drift / n, nan=0.0, posinf=0.0, neginf=0.0)
-    return mean + shift, ops.maximum(m2, 0.0)
+    return mean + shift, scale * ops.sqrt(ops.maximum(m2, 0.0) / n)
 
 
 def _from_bits(value, bitcast):
@@ -361,12 +375,12 @@ def _finite_partials(x, sums, needed, bins, hist_range, scale=None, moments=None
     if "qm" in needed:
         rms = ops.sqrt(sums["squares"] / ops.maximum(size, 1.0))
         out["qm"] = rms if scale is None else scale * rms
-    if moments is not None:  # (mean, M2), found by the caller
-        out["mean"], out["m2"] = moments
-    elif "mean" in needed or "m2" in needed:
+    if moments is not None:  # (mean, sd), found by the caller
+        out["mean"], out["sd"] = moments
+    elif "mean" in needed or "sd" in needed:
         mean = sums["total"] / ops.maximum(size, 1.0)
-        if "m2" in needed:
-            mean, out["m2"] = _centred(x - mean, mean, size)
+        if "sd" in needed:
+            mean, out["sd"] = _centred(x - mean, mean, size)
         out["mean"] = mean
     if "min" in needed:
         out["min"] = ops.min(x)
@@ -508,8 +522,9 @@ def _lo_width(hist_range, bins):
 def merge(rows: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Merges partials with a leading step axis into one set (float64).
 
-    Rows with n == 0 hold no data: their mean and m2 are left out, whatever they
-    are. If no row has data, the merged mean is NaN.
+    Rows with n == 0 hold no data: their mean and sd are left out, whatever they
+    are. If no row has data, the merged mean is NaN. Each row's M2 is n * sd**2,
+    in float64 (where float32 could not hold it).
     """
     merged = {}
     if "n" in rows:
@@ -521,12 +536,13 @@ def merge(rows: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
             means = np.where(has, rows["mean"].astype(np.float64), 0.0)
             mean = (n * means).sum() / total if total > 0 else np.float64(np.nan)
             merged["mean"] = mean
-            if "m2" in rows:
-                m2 = np.where(has, rows["m2"].astype(np.float64), 0.0).sum()
+            if "sd" in rows:
+                sd = np.where(has, rows["sd"].astype(np.float64), 0.0)
+                m2 = (n * sd ** 2).sum()
                 if total > 0:
                     with np.errstate(invalid="ignore"):  # an overflowed mean: inf - inf
                         m2 += np.where(has, n * (means - mean) ** 2, 0.0).sum()
-                merged["m2"] = m2
+                merged["sd"] = np.sqrt(m2 / total) if total > 0 else np.float64(0.0)
         if "qm" in rows:  # the mean of squares, weighted by n; its root
             qm = np.where(has, rows["qm"].astype(np.float64), 0.0)
             merged["qm"] = np.sqrt((n * qm ** 2).sum() / total) if total > 0 else np.float64(0.0)
@@ -568,11 +584,11 @@ def finalize(part: Mapping[str, np.ndarray], stat: str) -> np.ndarray:
         if stat == "mean":
             value = np.asarray(part["mean"], np.float64)
         elif stat == "std":
-            value = np.sqrt(np.asarray(part["m2"], np.float64) / n)
+            value = np.asarray(part["sd"], np.float64)
         elif stat == "rms" and "qm" in part:
             value = np.asarray(part["qm"], np.float64)
         elif stat == "rms":  # with `std` (see `needs`)
-            value = np.sqrt(np.asarray(part["m2"], np.float64) / n
+            value = np.sqrt(np.asarray(part["sd"], np.float64) ** 2
                             + np.asarray(part["mean"], np.float64) ** 2)
         elif stat == "frac_zero":
             value = np.asarray(part["nzero"], np.float64) / n
@@ -607,10 +623,11 @@ def _torch_partials(value, stats, bins, hist_range):
     (statistics of every selected layer, every step). So it runs as few ops as it
     can: the non-finite mask from `x - x` (NaN exactly where x is NaN or inf;
     `isfinite` is four ops), masked fills instead of `where` with a scalar,
-    counts summed straight to float32, `ninf` as non-finite minus NaN, M2 as one
-    dot product, and the scalar partials stacked into one tensor split into
-    [1]-shaped views. A finite CPU tensor's scalar partials are host arrays
-    instead (`_torch_finite_partials`). Keep in step with `partials`."""
+    counts summed straight to float32, `ninf` as non-finite minus NaN, sums of
+    squares as dot products (`_torch_squares`), and the scalar partials
+    stacked into one tensor split into [1]-shaped views. A finite CPU tensor's
+    scalar partials are host arrays instead (`_torch_finite_partials`). Keep in
+    step with `partials`."""
     import torch
 
     x = None
@@ -628,7 +645,7 @@ def _torch_partials(value, stats, bins, hist_range):
         if x.dtype != torch.float32:
             x = x.float()
         if "qm" in needed and "mean" not in needed:
-            squares = torch.dot(x, x).item()
+            squares = _torch_squares(x).item()
             if math.isfinite(squares):
                 return _torch_finite_partials(x, None, squares, needed, bins, hist_range)
         else:
@@ -659,23 +676,26 @@ def _torch_partials(value, stats, bins, hist_range):
         if "n" in needed:  # _NEEDS lists n with every mean
             n = size - nbad
             names.append("n"), scalars.append(n)
-        if "mean" in needed or "m2" in needed:
+        if "mean" in needed or "sd" in needed:
             at_least_1 = n.clamp(min=1.0)
             mean = xf.sum() / at_least_1
             names.append("mean"), scalars.append(mean)
-            if "m2" in needed:  # corrected two-pass, as `_centred`
+            if "sd" in needed:  # corrected two-pass, scaled, as `_centred`
                 centred = (xf - mean).masked_fill_(bad, 0.0)
                 drift = centred.sum()
                 shift = drift / at_least_1
                 # (One op, not isfinite's four and a where: `_centred`.)
                 scalars[-1] = mean + shift.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
-                m2 = (torch.dot(centred, centred) - drift * shift).clamp_(min=0.0)
-                names.append("m2"), scalars.append(m2)
+                largest = centred.abs().max() if size else x.new_tensor(0.0)
+                scale = largest.clamp(2.0**-100, 2.0**100)  # as `_scale`
+                m2 = _torch_squares(centred / scale) - (drift / scale) ** 2 / at_least_1
+                sd = scale * (m2.clamp_(min=0.0) / at_least_1).sqrt()
+                names.append("sd"), scalars.append(sd)
         if "qm" in needed:  # scaled, as in `_masked_partials`
             largest = xf.abs().max() if size else x.new_tensor(0.0)
             scaled = xf / torch.where(largest > 0, largest, 1.0)
             qm = torch.where(largest > 0, largest, 1.0) * (
-                torch.dot(scaled, scaled) / n.clamp(min=1.0)).sqrt()
+                _torch_squares(scaled) / n.clamp(min=1.0)).sqrt()
             names.append("qm"), scalars.append(qm)
         # The identities (+inf for min, -inf for max and absmax) where nothing is
         # finite, empty tensors included (torch's min and max reject those).
@@ -704,6 +724,30 @@ def _torch_partials(value, stats, bins, hist_range):
             index.masked_fill_(bad, bins)
             out["hist"] = torch.bincount(index, minlength=bins + 1)[None, :bins].float()
         return out
+
+
+# The longest tensor whose squares torch's CPU dot product sums in one go, and
+# the runs that longer ones are summed in (`_torch_squares`).
+_DOT_WHOLE, _DOT_RUN = 1 << 18, 1 << 16
+
+
+def _torch_squares(x):
+    """The sum of the squares of a flat float32 torch tensor, as a 0-d tensor:
+    one dot product (a BLAS call, 4x faster than a square and a sum on the CPU).
+    On the CPU its float32 accumulators lose bits with length (a relative error
+    of 2.5e-5 at 4M elements, 2e-4 at 16M, against 2-4e-7 at 128K): tensors
+    over `_DOT_WHOLE` elements are summed in runs of `_DOT_RUN`, one batched dot
+    product, whose results add up in float64 (4e-7 at 16M, at the same speed)."""
+    import torch
+
+    size = x.numel()
+    if size <= _DOT_WHOLE or not x.is_cpu or torch.compiler.is_compiling():
+        return torch.dot(x, x)
+    runs = size // _DOT_RUN
+    head = x[:runs * _DOT_RUN].reshape(runs, 1, _DOT_RUN)
+    total = torch.bmm(head, head.transpose(1, 2)).sum(dtype=torch.float64)
+    tail = x[runs * _DOT_RUN:]
+    return (total + torch.dot(tail, tail)).float()
 
 
 def _torch_nonzero(x):
@@ -735,34 +779,40 @@ def _torch_finite_partials(x, total, squares, needed, bins, hist_range):
     point's sums did (`bench/capture.py`, statistics in fit). M2 is the sum of
     squares less `total * mean`, one pass with no temporary; where that would
     cancel more than half of the sum of squares (a mean far from 0 against the
-    spread), it loses bits, and where the sum of squares overflows float32, it is
-    lost: M2 is then summed about the mean instead, as in `partials`."""
+    spread), it loses bits, where the sum of squares overflows float32, it is
+    lost, and where M2 is under size * 1e-30, squares lost bits as subnormals: M2
+    is then summed about the mean, scaled by the largest deviation, as in
+    `partials`. Its root, `sd`, is the partial."""
     import torch
 
     size = x.numel()
     host = {"n": float(size), "nnan": 0.0, "ninf": 0.0}
     if "qm" in needed:
         if squares is None:
-            squares = torch.dot(x, x).item()
+            squares = _torch_squares(x).item()
         if math.isfinite(squares) and squares >= size * _SMALLEST_MEAN_SQUARE:
             host["qm"] = math.sqrt(squares / size)
         else:  # squares past float32's range, or near its subnormals: scaled
             largest = x.abs().max().item()
             scaled = x / (largest or 1.0)
-            host["qm"] = largest * math.sqrt(torch.dot(scaled, scaled).item() / size)
-    if "mean" in needed or "m2" in needed:
+            host["qm"] = largest * math.sqrt(_torch_squares(scaled).item() / size)
+    if "mean" in needed or "sd" in needed:
         host["mean"] = mean = total / size
-        if "m2" in needed:
-            squares = torch.dot(x, x).item()
+        if "sd" in needed:
+            squares = _torch_squares(x).item()
             m2 = squares - total * mean
-            # Cancellation (or rounding below 0), or squares past float32's range
-            # (|x| > 1.8e19) where the centred values may still be within it.
-            if not (math.isfinite(squares) and 2 * m2 >= squares):
-                centred = x - mean  # corrected two-pass, as `_centred`
+            # Cancellation (or rounding below 0), squares past float32's range
+            # (|x| > 1.8e19) where the centred values may still be within it, or
+            # squares near its subnormals (a vanishing gradient's spread).
+            if not (math.isfinite(squares) and 2 * m2 >= squares
+                    and m2 >= size * _SMALLEST_MEAN_SQUARE):
+                centred = x - mean  # corrected two-pass, scaled, as `_centred`
                 drift = centred.sum().item()
                 host["mean"] = mean + drift / size
-                m2 = max(torch.dot(centred, centred).item() - drift * drift / size, 0.0)
-            host["m2"] = m2
+                scale = centred.abs().max().item() or 1.0
+                scaled = _torch_squares(centred / scale).item()
+                m2 = max(scale * scale * (scaled - (drift / scale) ** 2 / size), 0.0)
+            host["sd"] = math.sqrt(m2 / size)
     if "min" in needed or "max" in needed or "absmax" in needed:
         low, high = (v.item() for v in torch.aminmax(x))
         host.update(min=low, max=high, absmax=max(-low, high))
