@@ -1,8 +1,10 @@
 """Fail loudly if Keras moves an internal that callscope relies on."""
 
+import gc
 import inspect
 import pathlib
 import re
+import sys
 
 import keras
 import pytest
@@ -82,14 +84,24 @@ def test_jax_step_state_layout():
 
 
 def test_names_keras_makes_up_are_remembered():
-    # `mark_made_up_names` wraps the `auto_name` that `Operation.__init__` calls.
+    # `mark_made_up_names` wraps `Operation.__init__`, which makes up a name
+    # where none is given, and marks the layer.
     from keras.src.ops import operation
 
-    assert getattr(operation.auto_name, "_callscope_marks", False), (
-        f"keras {keras.__version__} no longer names unnamed layers through "
-        "ops/operation.py's `auto_name`")
-    assert _keras_compat.has_automatic_name(keras.layers.Dense(2))
+    assert getattr(operation.Operation.__init__, "_callscope_marks", False)
+    assert _keras_compat.has_automatic_name(keras.layers.Dense(2)), (
+        f"keras {keras.__version__} no longer names unnamed layers in "
+        "ops/operation.py's `Operation.__init__`")
     assert not _keras_compat.has_automatic_name(keras.layers.Dense(2, name="dense"))
+    named = keras.layers.Dense(2)
+    named.name = "".join(["de", "nse"])  # set later: another string object
+    assert not _keras_compat.has_automatic_name(named)
+    # Marked on the layer: nothing else keeps a made-up name (a table of them
+    # grew with every operation made per call, an eager `keras.ops.cond` each).
+    keras.layers.Dense(2)  # (the first made-up name is Keras's own key for the next)
+    name = keras.layers.Dense(2).name
+    gc.collect()  # (a layer is in reference cycles)
+    assert sys.getrefcount(name) == 2  # `name`, and the call's argument
 
 
 def test_loops_and_branches_are_counted():

@@ -190,6 +190,31 @@ def test_a_worker_thread_does_not_inherit_the_scope_unless_copied():
     assert seen == {"plain": None, "copied": "a"}
 
 
+def test_a_pool_worker_run_in_a_copied_context_keeps_nothing_of_it_after_its_call():
+    """A thread's first call in a copied context (the README's way to give a
+    worker the scopes) kept that context's open scopes in the thread's pinned
+    state for the worker's life: the capture, its host buffers and the model
+    outlived the scope and every reference to them."""
+    import concurrent.futures
+    import gc
+    import weakref
+
+    model = _seq()
+    pool = concurrent.futures.ThreadPoolExecutor(1)  # one long-lived worker
+    try:
+        with cs.context(mode="a"), cs.capture(model, "s/d") as cap:
+            pool.submit(contextvars.copy_context().run, model.predict, X, verbose=0).result()
+        np.testing.assert_allclose(cap["s/d:output"], _dense(model, X), rtol=1e-5, atol=1e-6)
+        dead = weakref.ref(model), weakref.ref(cap)
+        del model, cap
+        gc.collect()
+        assert [ref() for ref in dead] == [None, None]
+        # The worker sees no scope of its first call's context in a later one.
+        assert pool.submit(cs.current, "mode").result() is None
+    finally:
+        pool.shutdown()
+
+
 @pytest.mark.parametrize("lambda_callback", [False, True])  # its hooks: the instance's
 def test_a_callback_that_waits_on_another_threads_predict_does_not_deadlock(lambda_callback):
     model = _seq()

@@ -814,39 +814,48 @@ def is_graph_model(layer) -> bool:
     return isinstance(layer, Functional | keras.Sequential)
 
 
-_MADE_UP: dict[int, str] = {}  # id -> the name object Keras made up (kept alive)
+_MADE_UP_NAME = "_callscope_made_up_name"  # the name Keras made up, on its layer
 
 
 def mark_made_up_names() -> None:
-    """Remembers the names Keras makes up for unnamed layers, as they are made.
+    """Marks each layer whose name Keras makes up, as it is made.
 
     Keras names the n-th unnamed layer of a class `<class in snake case>_<n>`
     from a session-wide counter, so an unnamed sublayer is `softmax` in one
     process and `softmax_3` after a load in another: no name for a point. The
-    very string objects are kept (a few bytes each, so their ids are never
-    reused); Keras, configs and files see the plain names. (keras 3.15.1:
-    ops/operation.py:24 calls its module's `auto_name` for an `Operation` without
-    a name.) Installed when callscope is imported; layers made before count as
-    named."""
+    layer keeps the very string object in its `__dict__` (a name set later is
+    another object); Keras, configs and files see the plain names. On the
+    layer, not in a table: operations made per call (an eager `keras.ops.cond`
+    makes one each time) grew a table without bound. (keras 3.15.1:
+    ops/operation.py:22-24, `Operation.__init__(self, name=None)` makes up a
+    name where none is given.) Installed when callscope is imported; layers made
+    before count as named."""
     from keras.src.ops import operation
 
-    original = getattr(operation, "auto_name", None)
-    if original is None or getattr(original, "_callscope_marks", False):
-        return  # (a Keras without it: every name counts as the user's; a test says so)
+    init = operation.Operation.__init__
+    if getattr(init, "_callscope_marks", False):
+        return
+    # Of the same signature, which `Operation.__new__` reads (both with
+    # `inspect.signature` and `getfullargspec`, which `functools.wraps` would
+    # set apart): a Keras whose signature differs is left alone, and
+    # `tests/test_keras_compat.py` says so.
+    if list(inspect.signature(init).parameters) != ["self", "name"]:
+        return
 
-    @functools.wraps(original)
-    def auto_name(prefix):
-        name = original(prefix)
-        _MADE_UP[id(name)] = name
-        return name
+    def __init__(self, name=None):
+        init(self, name)
+        if name is None:
+            getattr(self, "__dict__", {})[_MADE_UP_NAME] = self.name
 
-    auto_name._callscope_marks = True
-    operation.auto_name = auto_name
+    __init__.__doc__, __init__.__qualname__ = init.__doc__, init.__qualname__
+
+    __init__._callscope_marks = True
+    operation.Operation.__init__ = __init__
 
 
 def has_automatic_name(layer) -> bool:
     """Is `layer.name` one Keras made up (see `mark_made_up_names`)?"""
-    return _MADE_UP.get(id(layer.name)) is layer.name
+    return getattr(layer, "__dict__", {}).get(_MADE_UP_NAME) is layer.name
 
 
 # Registries of sublayers that are not the user's attributes: Keras's own, torch's

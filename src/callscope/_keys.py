@@ -17,6 +17,7 @@ under that call, whatever the bound.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import enum
 import math
 import os
@@ -76,6 +77,9 @@ def check_static(name: str, value: Any, registered: Callable[[], str] | None = N
         for item in value:
             check_static(name, item, registered, given)
         return
+    if _is_dataclass(value):  # keyed field by field (`freeze`): each must be static
+        for field in dataclasses.fields(value):
+            check_static(name, getattr(value, field.name), registered, given)
     if isinstance(value, float) and math.isnan(value):
         raise ValueError(
             f"Context argument `{name}` is static, and NaN cannot select a compiled "
@@ -133,7 +137,10 @@ def _tensor_described(value) -> str:
 def freeze(value: Any) -> Any:
     """A key item that differs whenever the type differs (`True`, `1`, `1.0`; a
     namedtuple and a tuple; two classes of one name), and for `-0.0` and `0.0`
-    (equal, yet `copysign`, `1 / x` and `atan2` tell them apart)."""
+    (equal, yet `copysign`, `1 / x` and `atan2` tell them apart). A dataclass
+    is keyed by every field so (its own `==` merges `Cfg(0.0)` and `Cfg(-0.0)`,
+    `Cfg(1)` and `Cfg(True)`, and skips `compare=False` fields: each later value
+    ran the trace of the first)."""
     kind = type(value)
     if isinstance(value, tuple):
         fields = getattr(kind, "_fields", None)
@@ -147,10 +154,18 @@ def freeze(value: Any) -> Any:
         return (kind, float.__repr__(value))  # (not a subclass's own, which may round)
     if isinstance(value, complex):
         return (kind, complex.__repr__(value))
+    if _is_dataclass(value):
+        return (kind, tuple((field.name, freeze(getattr(value, field.name)))
+                            for field in dataclasses.fields(value)))
     return (kind, value)
 
 
 _NAMEDTUPLE = "namedtuple"  # a frozen namedtuple's kind: (_NAMEDTUPLE, module, name, fields)
+
+
+def _is_dataclass(value: Any) -> bool:
+    """A dataclass instance (not the class, which is keyed by identity)."""
+    return dataclasses.is_dataclass(value) and not isinstance(value, type)
 
 
 def static_key(values: dict, static: set) -> tuple:
@@ -175,6 +190,8 @@ def _said(frozen: tuple) -> str:
         return f"{kind[2].rpartition('.')[2]}({fields})"
     if issubclass(kind, float | complex):
         return value  # (its repr)
+    if dataclasses.is_dataclass(kind):
+        return f"{kind.__name__}({', '.join(f'{f}={_said(v)}' for f, v in value)})"
     if issubclass(kind, tuple | frozenset):
         items = ", ".join(_said(item) for item in value)
         if issubclass(kind, frozenset):

@@ -65,14 +65,17 @@ class _Pinned(threading.local):
     `ScopeVar`'s value as an attribute of its name, `given` the caller's set
     values, and `joins` the sets to update after the call (`join_after`).
     (Set in `__init__`, each thread's first use: an attribute that is first a class
-    default, then the instance's own, fails a compiled step's guard once.)"""
+    default, then the instance's own, fails a compiled step's guard once. To the
+    defaults, not the thread's values then: those of a thread that runs in a
+    copied context are its caller's open scopes, and a pool's worker kept them,
+    and the captures, patches and models they hold, alive for its life.)"""
 
     def __init__(self):
         self.on = False
         self.given = {}
         self.joins = []
         for var in _VARS:
-            setattr(self, var.name, var.var.get())
+            setattr(self, var.name, var.default)
 
 
 
@@ -95,7 +98,7 @@ class ScopeVar:
     """
 
     def __init__(self, name: str, default: Any):
-        self.name = name
+        self.name, self.default = name, default
         self.var = contextvars.ContextVar(f"callscope_{name}", default=default)
 
     def get(self) -> Any:
