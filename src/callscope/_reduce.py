@@ -686,11 +686,16 @@ def _torch_partials(value, stats, bins, hist_range):
                 shift = drift / at_least_1
                 # (One op, not isfinite's four and a where: `_centred`.)
                 scalars[-1] = mean + shift.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
-                largest = centred.abs().max() if size else x.new_tensor(0.0)
-                scale = largest.clamp(2.0**-100, 2.0**100)  # as `_scale`
-                m2 = _torch_squares(centred / scale) - (drift / scale) ** 2 / at_least_1
-                sd = scale * (m2.clamp_(min=0.0) / at_least_1).sqrt()
-                names.append("sd"), scalars.append(sd)
+                # Scaled by the largest deviation (`_scale`): the variance is
+                # Σ(d/scale)²/n less (shift/scale)², over scale². In as few
+                # ops as that takes (10, against 4 unscaled: a GPU launches each).
+                largest = (torch.linalg.vector_norm(centred, float("inf")) if size
+                           else x.new_tensor(0.0))
+                scale = largest.clamp_(2.0**-100, 2.0**100)
+                mean_square = _torch_squares(centred / scale) / at_least_1
+                ratio = shift / scale
+                variance = torch.addcmul(mean_square, ratio, ratio, value=-1.0)
+                names.append("sd"), scalars.append(variance.clamp_(min=0.0).sqrt_().mul_(scale))
         if "qm" in needed:  # scaled, as in `_masked_partials`
             largest = xf.abs().max() if size else x.new_tensor(0.0)
             scaled = xf / torch.where(largest > 0, largest, 1.0)
