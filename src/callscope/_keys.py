@@ -59,7 +59,9 @@ def check_static(name: str, value: Any, registered: Callable[[], str] | None = N
     value passed, where `value` is an item of it."""
     # The plain types first: a compiled torch step checks the values again, and
     # dynamo cannot trace `is_tensor_like`'s `str.split` of a module name.
-    if type(value) in STATIC_TYPES and not (isinstance(value, float) and math.isnan(value)):
+    # (NaN as `value != value`: `math.isnan` of the float dynamo makes symbolic,
+    # once a key's float changed, breaks its graph.)
+    if type(value) in STATIC_TYPES and not (isinstance(value, float) and value != value):
         return
     given = value if whole is None else whole
     if is_tensor_like(value) and hasattr(value, "shape"):  # (not a torch.dtype)
@@ -78,8 +80,17 @@ def check_static(name: str, value: Any, registered: Callable[[], str] | None = N
             check_static(name, item, registered, given)
         return
     if _is_dataclass(value):  # keyed field by field (`freeze`): each must be static
-        for field in dataclasses.fields(value):
+        if not type(value).__dataclass_params__.frozen:
+            raise TypeError(
+                f"Context argument `{name}` is static{_known(registered)}: its value "
+                f"selects a compiled function by type and value, and a {type(value).__name__} "
+                "can change after its trace (a dataclass that is not frozen): the "
+                "function would still run with the value it had then. Make it "
+                "`@dataclasses.dataclass(frozen=True)`, or pass a new value instead of "
+                f"changing one. Received: {name}={shown(given)}")
+        for field in _compared(value):
             check_static(name, getattr(value, field.name), registered, given)
+        return
     if isinstance(value, float) and math.isnan(value):
         raise ValueError(
             f"Context argument `{name}` is static, and NaN cannot select a compiled "
@@ -137,10 +148,10 @@ def _tensor_described(value) -> str:
 def freeze(value: Any) -> Any:
     """A key item that differs whenever the type differs (`True`, `1`, `1.0`; a
     namedtuple and a tuple; two classes of one name), and for `-0.0` and `0.0`
-    (equal, yet `copysign`, `1 / x` and `atan2` tell them apart). A dataclass
-    is keyed by every field so (its own `==` merges `Cfg(0.0)` and `Cfg(-0.0)`,
-    `Cfg(1)` and `Cfg(True)`, and skips `compare=False` fields: each later value
-    ran the trace of the first)."""
+    (equal, yet `copysign`, `1 / x` and `atan2` tell them apart). A frozen
+    dataclass is keyed by its compared fields so (its own `==` merges `Cfg(0.0)`
+    and `Cfg(-0.0)`, `Cfg(1)` and `Cfg(True)`: each later value ran the trace of
+    the first); `compare=False` fields are left out, as its `==` does (a cache)."""
     kind = type(value)
     if isinstance(value, tuple):
         fields = getattr(kind, "_fields", None)
@@ -156,7 +167,7 @@ def freeze(value: Any) -> Any:
         return (kind, complex.__repr__(value))
     if _is_dataclass(value):
         return (kind, tuple((field.name, freeze(getattr(value, field.name)))
-                            for field in dataclasses.fields(value)))
+                            for field in _compared(value)))
     return (kind, value)
 
 
@@ -166,6 +177,11 @@ _NAMEDTUPLE = "namedtuple"  # a frozen namedtuple's kind: (_NAMEDTUPLE, module, 
 def _is_dataclass(value: Any) -> bool:
     """A dataclass instance (not the class, which is keyed by identity)."""
     return dataclasses.is_dataclass(value) and not isinstance(value, type)
+
+
+def _compared(value: Any) -> list:
+    """The fields of dataclass `value` that its `==` compares."""
+    return [field for field in dataclasses.fields(value) if field.compare]
 
 
 def static_key(values: dict, static: set) -> tuple:

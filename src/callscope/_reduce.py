@@ -731,28 +731,19 @@ def _torch_partials(value, stats, bins, hist_range):
         return out
 
 
-# The longest tensor whose squares torch's CPU dot product sums in one go, and
-# the runs that longer ones are summed in (`_torch_squares`).
-_DOT_WHOLE, _DOT_RUN = 1 << 18, 1 << 16
-
-
 def _torch_squares(x):
-    """The sum of the squares of a flat float32 torch tensor, as a 0-d tensor:
-    one dot product (a BLAS call, 4x faster than a square and a sum on the CPU).
-    On the CPU its float32 accumulators lose bits with length (a relative error
-    of 2.5e-5 at 4M elements, 2e-4 at 16M, against 2-4e-7 at 128K): tensors
-    over `_DOT_WHOLE` elements are summed in runs of `_DOT_RUN`, one batched dot
-    product, whose results add up in float64 (4e-7 at 16M, at the same speed)."""
+    """The sum of the squares of a flat float32 torch tensor, as a 0-d tensor. On
+    the CPU a square and torch's sum, whose cascade keeps float32's rounding
+    whatever the length: its dot product (a BLAS call, twice as fast) sums in
+    float32 accumulators whose errors grow with length and, for values alike,
+    all lean one way (the rms of 256 x 512 constant values was off by 5e-5, of
+    4M normal ones by 2e-6, against 1e-7 for JAX and TF). On a GPU, and under
+    torch.compile, the dot product sums in a tree."""
     import torch
 
-    size = x.numel()
-    if size <= _DOT_WHOLE or not x.is_cpu or torch.compiler.is_compiling():
-        return torch.dot(x, x)
-    runs = size // _DOT_RUN
-    head = x[:runs * _DOT_RUN].reshape(runs, 1, _DOT_RUN)
-    total = torch.bmm(head, head.transpose(1, 2)).sum(dtype=torch.float64)
-    tail = x[runs * _DOT_RUN:]
-    return (total + torch.dot(tail, tail)).float()
+    if x.is_cpu and not torch.compiler.is_compiling():
+        return x.square().sum()
+    return torch.dot(x, x)
 
 
 def _torch_nonzero(x):
