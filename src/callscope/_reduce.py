@@ -624,7 +624,7 @@ def _torch_partials(value, stats, bins, hist_range):
     can: the non-finite mask from `x - x` (NaN exactly where x is NaN or inf;
     `isfinite` is four ops), masked fills instead of `where` with a scalar,
     counts summed straight to float32, `ninf` as non-finite minus NaN, sums of
-    squares as dot products (`_torch_squares`), and the scalar partials
+    squares in one place (`_torch_squares`), and the scalar partials
     stacked into one tensor split into [1]-shaped views. A finite CPU tensor's
     scalar partials are host arrays instead (`_torch_finite_partials`). Keep in
     step with `partials`."""
