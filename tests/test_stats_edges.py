@@ -116,6 +116,40 @@ def test_std_is_exact_where_the_mean_rounds(jit_compile, with_nan):
 
 
 @pytest.mark.parametrize("jit_compile", JIT)
+@pytest.mark.parametrize("with_nan", [False, True], ids=["finite", "masked"])
+def test_a_std_merged_over_steps_takes_each_steps_mean_unrounded(jit_compile, with_nan):
+    """Each step's mean was one float32: a std merged over steps whose means
+    differ by about the spread, far from 0, carried its rounding in the steps'
+    spread (0.09% off at 1e5, 0.6% at 1e6), and the mean's own was 0.05 of
+    the spread at 1e6. The mean's correction (`dmean`) is now a partial of its
+    own, added on the host in float64. predict merges four steps (the masked
+    path where a NaN is in each), and fit reads each step's mean."""
+    inputs = keras.Input((64,))
+    h = keras.layers.Lambda(lambda x: x * 1.0, name="ident")(inputs)
+    model = cs.Model(inputs, keras.layers.Dense(1, name="head")(h), name="m")
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse", jit_compile=jit_compile)
+    rng = np.random.default_rng(0)
+    for center in (1e5, 1e6):
+        # Four batches, their means a uniform(-1, 1) apart about `center`.
+        x = center + rng.normal(size=(4, 256, 64)) + rng.uniform(-1, 1, (4, 1, 1))
+        x = x.astype("float32").reshape(1024, 64)
+        if with_nan:
+            x[::256, 0] = np.nan
+        finite = x[np.isfinite(x)].astype(np.float64)
+        with cs.capture(model, "m/ident", reduce=("mean", "std")) as cap:
+            model.predict(x, batch_size=256, verbose=0)
+        assert cap["m/ident:output/std"] == pytest.approx(finite.std(), rel=1e-6)
+        assert abs(cap["m/ident:output/mean"] - finite.mean()) < 1e-5 * finite.std()
+        with cs.capture(model, "m/ident", reduce=("mean", "std")) as cap:
+            model.fit(x, np.zeros((1024, 1), "float32"), batch_size=256, verbose=0,
+                      shuffle=False)
+        batches = x.reshape(4, 256 * 64).astype(np.float64)
+        means = np.array([b[np.isfinite(b)].mean() for b in batches])
+        np.testing.assert_allclose(cap["m/ident:output/mean"], means, rtol=0,
+                                   atol=1e-5 * finite.std())
+
+
+@pytest.mark.parametrize("jit_compile", JIT)
 @pytest.mark.parametrize("stats", [("rms",), ("rms", "absmax"), ("rms", "mean")],
                          ids=["rms", "rms_absmax", "rms_mean"])
 def test_rms_without_std_is_right_where_squares_leave_float32s_range(jit_compile, stats):
@@ -311,7 +345,7 @@ def _partials_of(values):
     f = np.asarray(values, np.float64)
     f = f[np.isfinite(f)]
     mean = f.mean() if f.size else 0.0
-    return {"n": f.size, "mean": mean, "sd": f.std() if f.size else 0.0,
+    return {"n": f.size, "mean": mean, "dmean": 0.0, "sd": f.std() if f.size else 0.0,
             "qm": np.sqrt((f ** 2).mean()) if f.size else 0.0,
             "min": f.min() if f.size else np.inf, "max": f.max() if f.size else -np.inf,
             "absmax": np.abs(f).max() if f.size else -np.inf, "nzero": (f == 0).sum(),
@@ -400,6 +434,15 @@ def _device_partials(x, stats=ALL):
     return {k: numpy(v) for k, v in parts.items()}
 
 
+def _joined(parts):
+    """Partials with the mean's correction added to it, in float64: the paths
+    split the mean between `mean` and `dmean` each its own way."""
+    parts = {name: np.asarray(value) for name, value in parts.items()}
+    if "dmean" in parts:
+        parts["mean"] = parts["mean"].astype(np.float64) + parts.pop("dmean")
+    return parts
+
+
 def _check_partials(parts, x, stats=ALL):
     expected = _partials_of(np.asarray(x, np.float64).ravel())
     expected = {name: expected[name] for name in _reduce.needs(stats)}
@@ -407,6 +450,7 @@ def _check_partials(parts, x, stats=ALL):
     for name, value in parts.items():
         assert value.shape == (1, BINS) if name == "hist" else value.shape == (1,), name
         assert value.dtype == np.float32, name
+    for name, value in _joined(parts).items():
         np.testing.assert_allclose(value[0], expected[name], rtol=1e-5, atol=1e-5,
                                    err_msg=name)
 
@@ -429,7 +473,7 @@ def test_partials_of_a_tensor_with_nan_and_inf():
 def test_partials_with_no_finite_value_hold_identities(x):
     parts = _device_partials(x)
     _check_partials(parts, x)
-    assert parts["mean"][0] == 0 and parts["sd"][0] == 0  # never NaN
+    assert parts["mean"][0] == 0 and parts["dmean"][0] == 0 and parts["sd"][0] == 0  # never NaN
     assert parts["min"][0] == np.inf and parts["max"][0] == -np.inf
     assert parts["absmax"][0] == -np.inf
     assert _device_partials(x, ("rms",))["qm"][0] == 0  # never NaN
@@ -490,9 +534,10 @@ def test_the_unmasked_branch_gives_what_the_masked_one_gives(x, stats):
     fast = compiled(lambda t: _reduce.partials(t, stats, BINS, RANGE))(flat)
     masked = compiled(lambda t: _reduce._masked_partials(t, needed, BINS, RANGE))(flat)
     assert sorted(fast) == sorted(masked)
-    for name in fast:
-        np.testing.assert_allclose(numpy(fast[name])[0], numpy(masked[name]), rtol=1e-6,
-                                   err_msg=name)
+    fast = {name: numpy(value) for name, value in fast.items()}
+    masked = _joined({name: numpy(value)[None] for name, value in masked.items()})
+    for name, value in _joined(fast).items():
+        np.testing.assert_allclose(value[0], masked[name][0], rtol=1e-6, err_msg=name)
     with np.errstate(over="ignore"):
         finite_sum = np.isfinite(x.sum(dtype=np.float32))
     if finite_sum or "mean" not in needed:  # no mean: every partial is right
@@ -515,8 +560,9 @@ def test_torch_unmasked_partials_match_numpy_and_the_keras_ops_path(x, stats, mo
     monkeypatch.setattr(_reduce, "_TORCH", False)
     slow = _device_partials(x, stats)
     assert sorted(fast) == sorted(slow)
-    for name in fast:
-        np.testing.assert_allclose(fast[name], slow[name], rtol=1e-6, err_msg=name)
+    slow = _joined(slow)
+    for name, value in _joined(fast).items():
+        np.testing.assert_allclose(value, slow[name], rtol=1e-6, err_msg=name)
 
 
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="only TF traces unknown lengths")
@@ -534,7 +580,7 @@ def test_a_length_unknown_when_traced_may_be_empty_or_not():
         _check_partials(parts, x)
         if not x.size:
             assert parts["min"][0] == np.inf and parts["max"][0] == -np.inf
-            assert parts["mean"][0] == 0 and parts["sd"][0] == 0
+            assert parts["mean"][0] == 0 and parts["dmean"][0] == 0 and parts["sd"][0] == 0
 
 
 @pytest.mark.skipif(BACKEND != "torch", reason="the plain-torch fast path")
@@ -548,8 +594,9 @@ def test_torch_fast_path_matches_the_keras_ops_path(x, stats, monkeypatch):
     monkeypatch.setattr(_reduce, "_TORCH", False)
     slow = _device_partials(x, stats)
     assert sorted(fast) == sorted(slow)
-    for name in fast:
-        np.testing.assert_allclose(fast[name], slow[name], rtol=1e-6, err_msg=name)
+    slow = _joined(slow)
+    for name, value in _joined(fast).items():
+        np.testing.assert_allclose(value, slow[name], rtol=1e-6, err_msg=name)
 
 
 def test_the_new_statistics_are_accepted_and_documented():
@@ -594,7 +641,8 @@ def test_std_of_a_large_tensor_is_right_to_float32s_rounding(ratio):
     parts = {k: numpy(v) for k, v in fn(keras.ops.convert_to_tensor(x)).items()}
     std = expected["sd"]
     # The mean's error against the spread (at ratio 0 the mean itself is ~0).
-    assert abs(parts["mean"][0] - expected["mean"]) < 2e-6 * max(std, abs(expected["mean"]))
+    mean = _joined(parts)["mean"][0]
+    assert abs(mean - expected["mean"]) < 2e-6 * max(std, abs(expected["mean"]))
     assert abs(parts["sd"][0] / std - 1) < 1e-6
 
 

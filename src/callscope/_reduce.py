@@ -1,7 +1,10 @@
 """On-device statistics of captured tensors, and their exact merge on the host.
 
 A compiled step cannot hand back a running aggregate, so each step returns small
-*partials* per captured tensor: element count, mean, standard deviation (`sd`,
+*partials* per captured tensor: element count, mean (with `std`, in two float32
+parts, `mean` and its correction `dmean`, which the host adds in float64: one
+float32's rounding of each step's mean put a std merged over steps whose means
+differed by about the spread, around 1e6, 0.6% off), standard deviation (`sd`,
 the root of the centred sum of squares M2 over the count), root mean square (for
 `rms` without `std`: one pass, where it would take the mean's and M2's three),
 min, max, absmax, zero count, NaN and inf counts and
@@ -45,13 +48,13 @@ _JAX = keras.backend.backend() == "jax"
 _TF = keras.backend.backend() == "tensorflow"
 STATS = ("mean", "std", "min", "max", "absmax", "rms", "frac_zero", "hist",
          "nan_count", "inf_count")
-# Partials: n (finite elements), mean, sd (standard deviation) and qm (root mean
-# square) over finite
-# elements, min, max and absmax (identities +inf, -inf, -inf when n == 0), nzero,
-# nnan, ninf, hist.
+# Partials: n (finite elements), mean (plus dmean, its float32 correction, where
+# sd is computed: the mean is their sum, in float64), sd (standard deviation) and
+# qm (root mean square) over finite elements, min, max and absmax (identities
+# +inf, -inf, -inf when n == 0), nzero, nnan, ninf, hist.
 _NEEDS = {
     "mean": ("n", "mean"),
-    "std": ("n", "mean", "sd"),
+    "std": ("n", "mean", "dmean", "sd"),
     "rms": ("n", "qm"),  # from mean and sd instead where those are computed (`needs`)
     "min": ("n", "min"),
     "max": ("n", "max"),
@@ -64,8 +67,8 @@ _NEEDS = {
 # Exponent and mantissa bits of the narrow float dtypes whose rounding JAX keeps
 # (and whose values torch.compile and TF's XLA read from their bits: `_from_bits`).
 _OWN_PRECISION = {"bfloat16": (8, 7), "float16": (5, 10)}
-_FINITE_ONLY = ("n", "mean", "sd", "qm", "min", "max", "absmax", "nzero", "hist")
-_SCALARS = ("n", "mean", "sd", "qm", "min", "max", "absmax", "nzero", "nnan", "ninf")
+_FINITE_ONLY = ("n", "mean", "dmean", "sd", "qm", "min", "max", "absmax", "nzero", "hist")
+_SCALARS = ("n", "mean", "dmean", "sd", "qm", "min", "max", "absmax", "nzero", "nnan", "ninf")
 
 
 def needs(stats) -> tuple:
@@ -74,7 +77,7 @@ def needs(stats) -> tuple:
     them on the host, as `finalize` does, at no extra pass.
 
     >>> needs(("rms", "absmax")), needs(("rms", "std"))
-    (('absmax', 'n', 'qm'), ('mean', 'n', 'sd'))
+    (('absmax', 'n', 'qm'), ('dmean', 'mean', 'n', 'sd'))
     """
     needed = {p for s in stats for p in _NEEDS[s]}
     if "sd" in needed:
@@ -179,7 +182,9 @@ def _one_pass_partials(x, needed, bins, hist_range, otherwise):
     mean = total / ops.maximum(size, 1.0)
     m2 = squares - total * mean
     sd = ops.sqrt(ops.maximum(m2, 0.0) / ops.maximum(size, 1.0))
-    finite = _finite_partials(x, {"total": total}, needed, bins, hist_range, moments=(mean, sd))
+    # (|mean| <= sd here: its float32 rounding is a part in 2**24 of sd, no dmean.)
+    finite = _finite_partials(x, {"total": total}, needed, bins, hist_range,
+                              moments=(mean, ops.zeros((), "float32"), sd))
     return _picked({"squares": squares}, finite, otherwise,
                    also=(2.0 * m2 >= squares, m2 >= size * 2.0**-96))
 
@@ -275,7 +280,7 @@ def _masked_partials(x, needed, bins, hist_range):
         # 0 when n == 0, so that an empty partial never carries a NaN mean.
         mean = ops.sum(xf) / ops.maximum(n, 1.0)
         if "sd" in needed:
-            mean, out["sd"] = _centred(ops.where(finite, xf - mean, 0.0), mean, n)
+            out["dmean"], out["sd"] = _centred(ops.where(finite, xf - mean, 0.0), n)
         out["mean"] = mean
     if "qm" in needed:
         # Scaled by the largest |value|, so that squares past float32's range
@@ -302,14 +307,17 @@ def _masked_partials(x, needed, bins, hist_range):
     return out
 
 
-def _centred(deviations, mean, n):
-    """The mean and the standard deviation from the deviations about a first
-    `mean` (corrected two-pass: `mean` is a float32 sum over n, off by its
-    rounding; the deviations' own sum corrects both, so a constant tensor has sd 0
-    and its exact value as mean, where Σd² alone gave n times the rounding
-    squared). The deviations are squared over their largest |value| (`_scale`),
-    so that the squares of tiny deviations do not flush to 0 (std read 0 for
-    values under 1e-19) and those of huge ones do not overflow."""
+def _centred(deviations, n):
+    """The mean's correction (`dmean`) and the standard deviation, from the
+    deviations about a first mean (corrected two-pass: that mean is a float32 sum
+    over n, off by its rounding; the deviations' own sum corrects both, so a
+    constant tensor has sd 0 and its exact value as mean, where Σd² alone gave n
+    times the rounding squared). The correction is a partial of its own, added
+    to the mean on the host in float64: added here, the mean was one float32,
+    rounded (see the module docstring). The deviations are squared over their
+    largest |value| (`_scale`), so that the squares of tiny deviations do not
+    flush to 0 (std read 0 for values under 1e-19) and those of huge ones do not
+    overflow."""
     n = ops.maximum(n, 1.0)
     drift = ops.sum(deviations)
     scale = _scale(ops.max(ops.abs(deviations), initial=0.0))
@@ -317,7 +325,7 @@ def _centred(deviations, mean, n):
     # A correction that is not finite is left out: a mean whose sum overflowed is
     # inf, and its deviations -inf (corrected, it read NaN).
     shift = ops.nan_to_num(drift / n, nan=0.0, posinf=0.0, neginf=0.0)
-    return mean + shift, scale * ops.sqrt(ops.maximum(m2, 0.0) / n)
+    return shift, scale * ops.sqrt(ops.maximum(m2, 0.0) / n)
 
 
 def _from_bits(value, bitcast):
@@ -375,12 +383,12 @@ def _finite_partials(x, sums, needed, bins, hist_range, scale=None, moments=None
     if "qm" in needed:
         rms = ops.sqrt(sums["squares"] / ops.maximum(size, 1.0))
         out["qm"] = rms if scale is None else scale * rms
-    if moments is not None:  # (mean, sd), found by the caller
-        out["mean"], out["sd"] = moments
+    if moments is not None:  # (mean, dmean, sd), found by the caller
+        out["mean"], out["dmean"], out["sd"] = moments
     elif "mean" in needed or "sd" in needed:
         mean = sums["total"] / ops.maximum(size, 1.0)
         if "sd" in needed:
-            mean, out["sd"] = _centred(x - mean, mean, size)
+            out["dmean"], out["sd"] = _centred(x - mean, size)
         out["mean"] = mean
     if "min" in needed:
         out["min"] = ops.min(x)
@@ -533,9 +541,11 @@ def merge(rows: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         total = n.sum()
         merged["n"] = total
         if "mean" in rows:
-            means = np.where(has, rows["mean"].astype(np.float64), 0.0)
+            means = np.where(has, _mean(rows), 0.0)
             mean = (n * means).sum() / total if total > 0 else np.float64(np.nan)
             merged["mean"] = mean
+            if "dmean" in rows:  # in `mean` now (float64)
+                merged["dmean"] = np.float64(0.0)
             if "sd" in rows:
                 sd = np.where(has, rows["sd"].astype(np.float64), 0.0)
                 m2 = (n * sd ** 2).sum()
@@ -556,6 +566,13 @@ def merge(rows: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     if "hist" in rows:
         merged["hist"] = rows["hist"].astype(np.float64).sum(axis=0)
     return merged
+
+
+def _mean(part: Mapping[str, np.ndarray]) -> np.ndarray:
+    """The mean of partials, in float64: `mean` plus its correction `dmean`
+    where there is one."""
+    mean = np.asarray(part["mean"], np.float64)
+    return mean + np.asarray(part["dmean"], np.float64) if "dmean" in part else mean
 
 
 def merge_each(steps: list[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
@@ -582,14 +599,13 @@ def finalize(part: Mapping[str, np.ndarray], stat: str) -> np.ndarray:
     n = np.asarray(part["n"], np.float64)
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         if stat == "mean":
-            value = np.asarray(part["mean"], np.float64)
+            value = _mean(part)
         elif stat == "std":
             value = np.asarray(part["sd"], np.float64)
         elif stat == "rms" and "qm" in part:
             value = np.asarray(part["qm"], np.float64)
         elif stat == "rms":  # with `std` (see `needs`)
-            value = np.sqrt(np.asarray(part["sd"], np.float64) ** 2
-                            + np.asarray(part["mean"], np.float64) ** 2)
+            value = np.sqrt(np.asarray(part["sd"], np.float64) ** 2 + _mean(part) ** 2)
         elif stat == "frac_zero":
             value = np.asarray(part["nzero"], np.float64) / n
         else:
@@ -685,7 +701,8 @@ def _torch_partials(value, stats, bins, hist_range):
                 drift = centred.sum()
                 shift = drift / at_least_1
                 # (One op, not isfinite's four and a where: `_centred`.)
-                scalars[-1] = mean + shift.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+                names.append("dmean")
+                scalars.append(shift.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0))
                 # Scaled by the largest deviation (`_scale`): the variance is
                 # Σ(d/scale)²/n less (shift/scale)², over scale². In as few
                 # ops as that takes (10, against 4 unscaled: a GPU launches each).
@@ -793,7 +810,7 @@ def _torch_finite_partials(x, total, squares, needed, bins, hist_range):
             scaled = x / (largest or 1.0)
             host["qm"] = largest * math.sqrt(_torch_squares(scaled).item() / size)
     if "mean" in needed or "sd" in needed:
-        host["mean"] = mean = total / size
+        mean = total / size
         if "sd" in needed:
             squares = _torch_squares(x).item()
             m2 = squares - total * mean
@@ -802,13 +819,19 @@ def _torch_finite_partials(x, total, squares, needed, bins, hist_range):
             # squares near its subnormals (a vanishing gradient's spread).
             if not (math.isfinite(squares) and 2 * m2 >= squares
                     and m2 >= size * _SMALLEST_MEAN_SQUARE):
-                centred = x - mean  # corrected two-pass, scaled, as `_centred`
+                # Corrected two-pass, scaled, as `_centred`: about the float32
+                # that the tensor's subtraction takes (the drift corrects it).
+                mean = float(np.float32(mean))
+                centred = x - mean
                 drift = centred.sum().item()
-                host["mean"] = mean + drift / size
+                mean += drift / size
                 scale = centred.abs().max().item() or 1.0
                 scaled = _torch_squares(centred / scale).item()
                 m2 = max(scale * scale * (scaled - (drift / scale) ** 2 / size), 0.0)
             host["sd"] = math.sqrt(m2 / size)
+        # In float64 here: float32's mean and what it rounded off (`dmean`).
+        host["mean"] = float(np.float32(mean))
+        host["dmean"] = mean - host["mean"]
     if "min" in needed or "max" in needed or "absmax" in needed:
         low, high = (v.item() for v in torch.aminmax(x))
         host.update(min=low, max=high, absmax=max(-low, high))
