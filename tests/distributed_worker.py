@@ -4,6 +4,7 @@ Device counts must be fixed before the backend initialises, hence the process.
 Usage: python distributed_worker.py jax|tensorflow
 """
 
+import contextlib
 import json
 import threading
 
@@ -294,6 +295,34 @@ def synchronized_bn(strategy):
     return out
 
 
+class Unbuilt(cs.Model):
+    """A subclassed model with no Input: built by its first call."""
+
+    def __init__(self):
+        super().__init__(name="unbuilt")
+        self.hidden = keras.layers.Dense(3, name="hidden")
+        self.head = keras.layers.Dense(1, name="head")
+
+    def call(self, x):
+        return self.head(self.hidden(x))
+
+
+def unbuilt_captured_fit(scope):
+    """A capture around the first call of an unbuilt model: callscope builds it
+    (to find its points) in the strategy's scope, as Keras would (built outside,
+    its variables were plain, and the distributed update raised AssertionError)."""
+    keras.utils.set_random_seed(0)
+    with scope:
+        model = Unbuilt()
+        model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    with cs.capture(model, "*/hidden") as cap, \
+            cs.capture(model, "*/hidden", reduce=("mean", "std")) as stats:
+        loss = model.fit(X, Y, epochs=1, batch_size=8, verbose=0, shuffle=False)
+    return {"loss": loss.history["loss"], "capture": arrays(cap), "stats": arrays(stats),
+            "weights": [np.asarray(keras.ops.convert_to_numpy(w)).tolist()
+                        for w in model.weights]}
+
+
 results = {"single": run(build()), "single_hidden": hidden_state(build_scaled()),
            "single_first_in_fit": first_value_during_fit(build_scaled())}
 if ENGINE == "jax":
@@ -337,6 +366,8 @@ else:
         except ValueError as e:
             results["replica_arguments"] = str(e)
     results["handover"] = handover(strategy)
+    results["unbuilt"] = {"single": unbuilt_captured_fit(contextlib.nullcontext()),
+                          "distributed": unbuilt_captured_fit(strategy.scope())}
     results["synchronized_bn"] = synchronized_bn(strategy)
     with strategy.scope():  # stock Keras, the same validation run eagerly
         keras.utils.set_random_seed(0)

@@ -216,5 +216,14 @@ def test_tf_mirrored_strategy_matches_one_device():
     _assert_train_test_same_as_single_device(results["single_train_test"],
                                              results["eager_distributed_train_test"],
                                              val_loss=results["stock_eager_val_loss"])
+    # A capture around the first fit of an unbuilt model: built in the strategy's
+    # scope, it trains and captures as on one device (a bare AssertionError before).
+    unbuilt = results["unbuilt"]
+    _close(unbuilt["distributed"]["loss"], unbuilt["single"]["loss"])
+    for a, b in zip(unbuilt["distributed"]["weights"], unbuilt["single"]["weights"], strict=True):
+        _close(a, b)
+    for part in ("capture", "stats"):
+        assert unbuilt["single"][part], part
+        _assert_all_close(unbuilt["distributed"][part], unbuilt["single"][part])
     assert results["central_storage_error"].endswith(
         "Received: strategy=CentralStorageStrategy"), results.get("central_storage_error")

@@ -116,6 +116,16 @@ def assign_values(variable, values) -> None:
     variable.assign(values)
 
 
+def strategy_scope(model):
+    """The scope of `model`'s `tf.distribute` strategy (TF's trainer gives the
+    default strategy outside any), where variables of the model are made: one
+    made outside a MirroredStrategy's scope is a plain variable, which the
+    optimizer's distributed update refuses (a bare AssertionError in `fit`). A
+    null context on the other backends."""
+    strategy = getattr(model, "distribute_strategy", None)
+    return strategy.scope() if strategy is not None else contextlib.nullcontext()
+
+
 def is_mirrored(strategy) -> bool:
     """Is `strategy` a `tf.distribute.MirroredStrategy` (one machine)?"""
     if BACKEND != "tensorflow":

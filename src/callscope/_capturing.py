@@ -33,7 +33,9 @@ class CaptureMixin:
     def _cs_prepare_capture(self, captures, first_batch) -> None:
         """Builds the model, installs the wrappers and checks each capture's spec."""
         if not self.built and first_batch is not None:
-            with _record.collecting_for(()):  # a plain call: builds, records nothing
+            # A plain call: builds, records nothing; in the model's strategy's
+            # scope, as Keras builds it (`_backend.strategy_scope`).
+            with _record.collecting_for(()), _backend.strategy_scope(self):
                 self(first_batch, training=False)
         _record.install_wrappers(self)
         self._cs_check_loops(captures, ())

@@ -32,7 +32,7 @@ from typing import Any
 import keras
 import numpy as np
 
-from callscope import _inputs, _keras_compat, _keys, _patch, _record, _scope, _steps
+from callscope import _backend, _inputs, _keras_compat, _keys, _patch, _record, _scope, _steps
 from callscope._capture import begin_calls
 from callscope._capturing import CAPTURE, PATCH, CaptureMixin, first_x
 from callscope._functions import (
@@ -170,9 +170,7 @@ class Engine(CaptureMixin):
             if variable is None:
                 dtype = keras.config.floatx() if array.dtype.kind == "f" else str(array.dtype)
                 first = _held_as(name, array, np.dtype(dtype))
-                strategy = getattr(self, "distribute_strategy", None)
-                scope = strategy.scope() if strategy is not None else contextlib.nullcontext()
-                with scope:
+                with _backend.strategy_scope(self):
                     variable = keras.Variable(first, trainable=False,
                                               name=f"callscope_{name}")
                 self._cs_add_hidden_state(variable, f"the first value of `{name}`", 0)
@@ -327,9 +325,7 @@ class Engine(CaptureMixin):
         state = self._cs
         with state.lock:
             if state.rows_offset is None:
-                strategy = getattr(self, "distribute_strategy", None)
-                scope = strategy.scope() if strategy is not None else contextlib.nullcontext()
-                with scope:
+                with _backend.strategy_scope(self):
                     rows = keras.Variable(np.int32(0), dtype="int32", trainable=False,
                                           name="callscope_rows")
                 self._cs_add_hidden_state(rows, "the first patch that takes the batch", 1)
