@@ -75,6 +75,44 @@ def test_patch_leaves_no_trace_even_after_an_exception():
     np.testing.assert_array_equal(model.predict(CLEAN, verbose=0), base)
 
 
+@pytest.mark.parametrize("jit_compile", [False, "auto"])
+def test_two_open_patches_of_one_layer_are_refused_and_of_two_layers_both_apply(jit_compile):
+    # The inner scope's patch replaced the outer one's, which was lost without a
+    # word (same model); across an inner and an outer model the first opened won
+    # and the other raised "never reached" while listing its point.
+    inner = cs.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="dense")],
+                          name="enc")
+    inputs = keras.Input((4,))
+    outer = cs.Model(inputs, keras.layers.Dense(2, name="head")(inner(inputs)), name="outer")
+    outer.compile(jit_compile=jit_compile)
+    w, b = (numpy(v) for v in inner.get_layer("dense").weights)
+    wh, bh = (numpy(v) for v in outer.get_layer("head").weights)
+    h = CLEAN @ w + b
+
+    def head(x):
+        return x @ wh + bh
+
+    with cs.patch(outer, {"outer/enc/dense": lambda v: v + 1.0}):
+        with pytest.raises(ValueError, match=r"Two open cs.patch scopes patch "
+                                             r"`outer/enc/dense` of `outer`.*one function"):
+            with cs.patch(outer, {"outer/enc/dense": lambda v: v * 10.0}):
+                pass
+        # The outer scope is as it was; a patch of another layer adds to it.
+        np.testing.assert_allclose(outer.predict(CLEAN, verbose=0), head(h + 1.0),
+                                   rtol=1e-5, atol=1e-5)
+        with cs.patch(outer, {"outer/head": lambda v: v * 10.0}):
+            np.testing.assert_allclose(outer.predict(CLEAN, verbose=0), 10 * head(h + 1.0),
+                                       rtol=1e-5, atol=1e-4)
+    for first, second in ((inner, outer), (outer, inner)):
+        point = {inner: "enc/dense", outer: "outer/enc/dense"}
+        with cs.patch(first, {point[first]: lambda v: v + 1.0}), \
+                cs.patch(second, {point[second]: lambda v: v * 10.0}):
+            with pytest.raises(ValueError, match=r"Two open cs.patch scopes patch "
+                                                 r"`(outer/)?enc/dense` \(one layer"):
+                outer.predict(CLEAN, verbose=0)
+    np.testing.assert_allclose(outer.predict(CLEAN, verbose=0), head(h), rtol=1e-5, atol=1e-5)
+
+
 def test_patched_runs_in_fit_and_unknown_points_are_named():
     model = _model("auto")
     with cs.patch(model, {"tiny/logits": lambda y: y * 0.0}):

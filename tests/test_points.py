@@ -227,6 +227,45 @@ def test_an_output_element_named_as_a_sublayer_is_a_point_of_its_own():
             np.testing.assert_allclose(net.predict(X, verbose=0), want, rtol=1e-5, atol=1e-5)
 
 
+def test_names_and_keys_holding_the_characters_of_keys_are_percent_encoded(tmp_path):
+    # An output `{"d1@1": ...}` beside a shared `d1` called twice was the key of
+    # d1's second run, which was lost; `{"a/b": ...}` read as the layer b of a.
+    # Layer names may hold `@ : # * ?` too (Keras refuses only `/`; TF's name
+    # scopes refuse them all, so there the odd layer is named plainly).
+    odd_name = "odd:1@2#3*?%" if BACKEND != "tensorflow" else "odd.1"
+    odd_point = "m/odd%3A1%402%233%2A%3F%25" if BACKEND != "tensorflow" else "m/odd.1"
+    inputs = keras.Input((4,), name="x")
+    d1 = layers.Dense(2, name="d1")
+    first, second = d1(inputs), d1(layers.Dense(4, name="pre")(inputs))
+    odd = layers.Dense(3, name=odd_name)(inputs)
+    model = cs.Model(inputs, {"d1@1": layers.Dense(2, name="other")(inputs),
+                              "a/b": layers.Add(name="add")([first, second]), "odd": odd},
+                     name="m")
+    points = set(cs.points(model, X))
+    assert {"m/d1@0", "m/d1@1", "m/d1%401", "m/a%2Fb", odd_point} <= points
+    with cs.capture(model, "*") as cap:
+        plain = model.predict(X, verbose=0)
+    np.testing.assert_allclose(cap["m/d1%401:output"], plain["d1@1"], rtol=1e-6)
+    np.testing.assert_allclose(cap["m/a%2Fb:output"], plain["a/b"], rtol=1e-6)
+    np.testing.assert_allclose(cap["m/d1@0:output"] + cap["m/d1@1:output"], plain["a/b"],
+                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(cap[f"{odd_point}:output"], plain["odd"], rtol=1e-6)
+    pre = keras.Model(inputs, model.get_layer("pre").output)  # stock sub-model
+    w, b = (numpy(v) for v in d1.weights)
+    np.testing.assert_allclose(cap["m/d1@1:output"], pre.predict(X, verbose=0) @ w + b,
+                               rtol=1e-5, atol=1e-6)
+    # The same names after loading; a glob and a patch take the name as keys write it.
+    model.save(tmp_path / "m.keras")
+    loaded = cs.enable(keras.saving.load_model(tmp_path / "m.keras"))
+    assert set(cs.points(loaded, X)) == points
+    with cs.patch(loaded, {"m/d1%401": lambda v: v + 1.0}), \
+            cs.capture(loaded, "m/odd[%.]*") as cap:
+        patched = loaded.predict(X, verbose=0)
+    np.testing.assert_allclose(patched["d1@1"], plain["d1@1"] + 1.0, rtol=1e-5)
+    np.testing.assert_allclose(patched["a/b"], plain["a/b"], rtol=1e-6)
+    assert sorted(cap) == [f"{odd_point}:output"]
+
+
 def test_an_elements_name_does_not_depend_on_which_sublayers_ran():
     # The sublayer `noise` runs only in training: the element "noise" is `net/noise#1`
     # in predict too (it was `net/noise` there, and a patch of `net/noise` hit the

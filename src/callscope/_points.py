@@ -7,7 +7,8 @@ tuple, list or dict output (`<layer point>/<index or key>`). A *key* is
 `point:kind` (kind `output`, `input` or `grad`; `input/<argument>` when a layer
 takes several tensors), with `@i` when one point runs several times in a step. A
 `Spec` is what one capture selects; it is hashable, so it can be part of a
-compiled function's key.
+compiled function's key. A layer's name or an element's key holding a character
+that keys or globs use is percent-encoded in its point (`escaped`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,24 @@ from dataclasses import dataclass
 from typing import Any
 
 KINDS = ("output", "input", "grad")
+# What keys (`point:kind`, `@i`, `/` between parts, `|` in step outputs) and
+# `select` globs use: a sown name may not hold them.
+RESERVED = ("/", ":", "@", "|", "#", "*", "?", "[", "]")
+_ESCAPED = {c: f"%{ord(c):02X}" for c in ("%", *RESERVED)}
+
+
+def escaped(name: str) -> str:
+    """`name` (a layer's, or an output element's key) as one part of a point:
+    `%` and the characters of `RESERVED` percent-encoded, so that no name reads as
+    another point (an output `{"d1@1": ...}` was the key of a shared `d1`'s second
+    run, which was lost) and every glob matches it as it is written.
+
+    >>> escaped("dense_1"), escaped("d1@1"), escaped("a/b:c%")
+    ('dense_1', 'd1%401', 'a%2Fb%3Ac%25')
+    """
+    if not any(c in name for c in _ESCAPED):
+        return name
+    return "".join(_ESCAPED.get(c, c) for c in name)
 
 
 def tree_points(model) -> list[str]:
@@ -45,13 +64,13 @@ def local_name(parent, child) -> str:
 
     if parent is None or _keras_compat.is_graph_model(parent) \
             or not _keras_compat.has_automatic_name(child):
-        return child.name
+        return escaped(child.name)
     attribute = _keras_compat.attribute_name(parent, child)
     if attribute is not None:
         return attribute
     name = child.name
     base = name.rstrip("0123456789")
-    return base[:-1] if base.endswith("_") and base != name else name
+    return escaped(base[:-1] if base.endswith("_") and base != name else name)
 
 
 def walk_tree(model):
@@ -66,7 +85,7 @@ def walk_tree(model):
         for child in _keras_compat.child_layers(layer):
             yield from walk(child, f"{point}/{local_name(layer, child)}", inner)
 
-    yield from walk(model, model.name, None)
+    yield from walk(model, escaped(model.name), None)
 
 
 def key_name(point: str, kind: str, index: int, count: int) -> str:

@@ -36,14 +36,13 @@ import keras
 import numpy as np
 from keras import ops
 
-from callscope import _backend, _inputs, _keras_compat, _recompute, _reduce
-from callscope._points import Spec, found_key, key_name, local_name
+from callscope import _backend, _inputs, _keras_compat, _recompute, _reduce, _scope
+from callscope._points import RESERVED, Spec, escaped, found_key, key_name, local_name
 
 SOWN = "__callscope_sown__"
 OUTPUTS = "__callscope_outputs__"
 ROWS = "__callscope_rows__"  # a step's batch size, for patches that take the batch
 LOOP = object()  # the tree's value for a point inside a loop
-RESERVED = ("/", ":", "@", "|", "#", "*", "?", "[", "]")
 _TORCH = keras.backend.backend() == "torch"
 
 
@@ -193,8 +192,8 @@ class Collector:
         """The point of `layer` called now: its caller's point, `/`, its own name
         (`local`, see `_points.local_name`; the root: the model's name)."""
         parent = self.stack[-1].point if self.stack else ""
-        return self._owned(f"{parent}/{local or layer.name}" if parent else layer.name,
-                           layer)
+        own = local or escaped(layer.name)
+        return self._owned(f"{parent}/{own}" if parent else own, layer)
 
     def element(self, point: str, path: tuple, layer) -> str:
         """The point of the element at `path` of `layer`'s output, `layer` called at
@@ -203,7 +202,7 @@ class Collector:
         layer `o1`, `{"proj": p * 2}` beside `self.proj`), so that the two are never
         one point, patched twice. `n` counts those sublayers, whether they ran in
         this call or not: the name does not depend on which ran first."""
-        key, *rest = map(str, path)
+        key, *rest = (escaped(str(part)) for part in path)
         n = self._sublayer_names(layer).get(key, 0)
         base = f"{point}/{key}"
         return self._owned(base, layer, n, "".join(f"/{part}" for part in rest))
@@ -244,12 +243,12 @@ class Collector:
                 return None  # the root's own output, for an inner model's scope
             return point
         if layer is not None and id(layer) == owner:
-            return layer.name + point[len(own or point):]
+            return escaped(layer.name) + point[len(own or point):]
         for frame in self.stack:
             if id(frame.layer) == owner:
                 tail = point[len(frame.point):]
                 if point.startswith(frame.point) and tail[:1] in ("", "/"):
-                    return frame.layer.name + tail
+                    return escaped(frame.layer.name) + tail
                 return None
         return None
 
@@ -1268,12 +1267,20 @@ class Patches:
                                for _, _, fn in functions)
 
     def find(self, point: str, collector, layer=None, own=None):
-        """(owner, point as the owner names it, fn) of the patch of `point`, or None."""
+        """(owner, point as the owner names it, fn) of the patch of `point`, or None.
+        Scopes on two models (one inside the other) that patch one layer are
+        refused: one would be lost."""
+        found = None
         for owner, functions in self.owners.items():
             name = collector.relative(point, owner, layer, own)
             if name is not None and name in functions:
-                return owner, name, functions[name]
-        return None
+                if found is not None:
+                    raise ValueError(_scope.TWO_PATCHES.format(
+                        what=f"`{point}` (one layer, named `{found[1]}` and `{name}` "
+                             "by the models they were opened on)",
+                        received=f"points={[found[1], name]}"))
+                found = owner, name, functions[name]
+        return found
 
     def apply(self, point: str, value: Any, layer=None, own=None, batch_axis=0,
               noted=None) -> Any:

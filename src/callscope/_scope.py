@@ -376,7 +376,22 @@ def exit_capture(token) -> None:
     _CAPTURES.reset(token)
 
 
+TWO_PATCHES = (
+    "Two open cs.patch scopes patch {what}, and a point takes one patch at a time "
+    "(one of the two would be lost). Put both changes in one function, or close "
+    "one scope before opening the other. Received: {received}")
+
+
 def open_patch(model, patches: Mapping):
+    """The scope of `patches` on `model`; one that patches a point an open scope
+    on the same model patches is refused (`TWO_PATCHES`; other models' points
+    that are one layer are refused when a call reaches it: `Patches.find`)."""
+    for owner, open_ones in _PATCHES.get():
+        both = sorted(set(open_ones).intersection(patches)) if owner is model else ()
+        if both:
+            raise ValueError(TWO_PATCHES.format(
+                what=f"{', '.join(f'`{p}`' for p in both)} of `{model.name}`",
+                received=f"patches={sorted(patches)}"))
     return opened(_PATCHES, (model, patches))
 
 
@@ -386,13 +401,10 @@ def captures_where(owned) -> tuple:
 
 
 def patches_where(owned) -> tuple:
-    """The open patches of models that satisfy `owned`, merged (inner scope wins),
-    as `(id(owner), point, fn)`."""
-    merged = {}
-    for owner, patches in _PATCHES.get():
-        if owned(owner):
-            merged.update({(id(owner), point): fn for point, fn in patches.items()})
-    return tuple((owner, point, fn) for (owner, point), fn in merged.items())
+    """The open patches of models that satisfy `owned`, as `(id(owner), point,
+    fn)` (each point of a model is in one scope: `open_patch`)."""
+    return tuple((id(owner), point, fn) for owner, patches in _PATCHES.get()
+                 if owned(owner) for point, fn in patches.items())
 
 
 def captures_for(model) -> tuple:
