@@ -195,6 +195,59 @@ def test_inspect_bad_paths_and_files_are_one_line_errors(saved, tmp_path):
     assert cli._first_line(keras_error) == "the cause"
 
 
+def test_inspect_keeps_its_inputs_and_every_digit_and_says_failures_in_one_line(
+        saved, tmp_path):
+    # --out . --overwrite where the model and data sat deleted them; the CSV kept 6
+    # digits (a count of 1234567 read 1.23457e+06); an error of the model's own (not
+    # a ValueError) was a traceback; `--out ""` was ignored; a 0-d array was
+    # "empty"; a text file named .npy was "pickled data".
+    model, path, x = saved
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "m.keras").write_bytes(path.read_bytes())
+    np.save(work / "x.npy", x)
+    for given in ("m.keras", "x.npy"):
+        other = tmp_path / ("x.npy" if given == "m.keras" else "model.keras")
+        args = (work / "m.keras", "--data", tmp_path / "x.npy") if given == "m.keras" \
+            else (path, "--data", work / "x.npy")
+        _one_line_error(run_here("inspect", *args, "--out", work, "--overwrite"), 1,
+                        "holds", given, "would delete")
+        assert sorted(os.listdir(work)) == ["m.keras", "x.npy"] and other.exists()
+    _one_line_error(run_here("inspect", path, "--data", tmp_path / "x.npy", "--out", ""), 1,
+                    "empty path")
+    np.save(tmp_path / "scalar.npy", np.float32(3.0))
+    _one_line_error(run_here("inspect", path, "--data", tmp_path / "scalar.npy"), 1,
+                    "single value", "0-d")
+    (tmp_path / "text.npy").write_text("1,2,3,4\n")
+    _one_line_error(run_here("inspect", path, "--data", tmp_path / "text.npy"), 1,
+                    "text.npy", "does not start as one")
+    ids = cs.Sequential([keras.Input((3,), dtype="int32"), keras.layers.Embedding(5, 2)])
+    ids.save(tmp_path / "ids.keras")
+    np.save(tmp_path / "ids.npy", np.array([[1, 7, 2]], "int32"))  # 7: out of range
+    proc = run_here("inspect", tmp_path / "ids.keras", "--data", tmp_path / "ids.npy")
+    if BACKEND == "jax":  # JAX's gather fills NaN instead (stock JAX): no error to give
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    else:
+        _one_line_error(proc, 1, "the model failed on", "ids.npy")
+    out = tmp_path / "out"
+    proc = run_here("inspect", path, "--data", tmp_path / "x.npy", "--out", out, "--json",
+                    "--reduce", "mean,std,min,hist")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    printed = json.loads(proc.stdout)
+    with (out / "statistics.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert {r["key"] for r in rows} == set(printed)
+    for row in rows:
+        if row["key"].endswith("/hist"):
+            assert row["value"].split() == [str(int(c)) for c in printed[row["key"]]]
+        else:  # every digit: reads back as the same float64
+            assert float(row["value"]) == printed[row["key"]], row
+    from callscope import report
+
+    with pytest.raises(ValueError, match=r"Nothing to plot: no key .* is `<point>:grad/rms`"):
+        report.plot_grad_norms({"m/a:output/mean": np.zeros(3)}, tmp_path / "g.png")
+
+
 def test_inspect_json_is_strict_with_null_for_no_finite_value(saved, tmp_path):
     _, path, x = saved
     np.save(tmp_path / "inf.npy", np.full((8, 4), np.inf, "float32"))

@@ -174,6 +174,14 @@ def _load_data(path, names):
     if not os.path.exists(path):
         raise InputError(f"no such data file: {path} (check the path)")
     try:
+        with open(path, "rb") as f:
+            start = f.read(6)
+    except OSError as error:
+        raise InputError(f"cannot read {path}: {error.strerror or error}") from None
+    if not start.startswith((b"\x93NUMPY", b"PK")):  # (numpy would try it as a pickle)
+        raise InputError(f"{path} is not a .npy or .npz file (it does not start as one); "
+                         "save the data with np.save or np.savez")
+    try:
         data = np.load(path, allow_pickle=False)
     except Exception as error:
         raise InputError(f"{path} is not a .npy or .npz file: {_first_line(str(error))}") from None
@@ -194,7 +202,11 @@ def _load_data(path, names):
     else:
         arrays = {names[0] if names else None: data}
     for name, array in arrays.items():
-        if array.ndim < 1 or len(array) == 0:
+        if array.ndim < 1:
+            which = f"array {name!r} in {path}" if len(arrays) > 1 else path
+            raise InputError(f"{which} holds a single value (a 0-d array), not examples; "
+                             "save an array of shape (N, ...), one row per example")
+        if len(array) == 0:
             which = f"an empty array {name!r}" if len(arrays) > 1 else "an empty array"
             raise InputError(f"{path} holds {which}; give at least one example")
         if array.dtype.kind not in "biuf":  # bool, integers, floats
@@ -267,14 +279,22 @@ def _model_data(layout, arrays, rows=None):
     return next(iter(cut.values()))
 
 
-def _check_out(out, overwrite):
+def _check_out(out, overwrite, given=()):
     """Refuses an `--out` that is a file, or a directory with files but no
-    `--overwrite`, before any work (`_make_out` empties it later)."""
+    `--overwrite`, or one that holds a file `given` (the model, the data: emptied,
+    it would delete them), before any work (`_make_out` empties it later)."""
+    if not out:
+        raise InputError("--out takes a directory; received an empty path")
     if os.path.exists(out) and not os.path.isdir(out):
         raise InputError(f"--out {out} is a file; give a directory (new, or empty)")
     if os.path.isdir(out) and os.listdir(out) and not overwrite:
         raise InputError(f"{out} already exists and is not empty; choose another --out "
                          "or pass --overwrite")
+    inside = os.path.realpath(out) + os.sep
+    for path in given:
+        if os.path.realpath(path).startswith(inside):
+            raise InputError(f"--out {out} holds {path}, which --overwrite would delete; "
+                             "choose another --out")
 
 
 def _make_out(out, empty=False):
@@ -302,8 +322,8 @@ def run_inspect(args):
     arrays = _load_data(args.data, list(shapes))
     _check_shape(shapes, arrays, args.data)
     data = _model_data(layout, arrays)
-    if args.out:
-        _check_out(args.out, args.overwrite)
+    if args.out is not None:
+        _check_out(args.out, args.overwrite, given=(args.model, args.data))
     stats_names = tuple(args.reduce.split(","))
     kinds = tuple(args.kinds.split(","))
     sample = _model_data(layout, arrays, args.batch_size)
@@ -332,6 +352,9 @@ def run_inspect(args):
                                    title="Histograms over the whole data")
     except ValueError as error:
         raise InputError(_first_line(str(error))) from None
+    except Exception as error:  # the model's own (an index out of range): one line too
+        raise InputError(f"the model failed on {args.data}: {type(error).__name__}: "
+                         f"{_first_line(str(error))}") from None
     if args.json:
         # Strict JSON: a statistic with no finite value (NaN, ±inf) is null.
         print(json.dumps({k: _jsonable(v) for k, v in values.items()}, allow_nan=False))

@@ -22,8 +22,15 @@ def _grid(n):
     return math.ceil(n / cols), cols
 
 
-def _figure(n):
-    """A grid with one panel per block, and a function that saves and closes it."""
+def _figure(n, stats, wanted):
+    """A grid with one panel per block, and a function that saves and closes it;
+    with no block (no key of `stats` is `wanted`), an error that says so."""
+    if not n:
+        keys = sorted(stats)
+        raise ValueError(
+            f"Nothing to plot: no key of the statistics given is {wanted}. Capture "
+            "those first (e.g. cs.capture(..., reduce=...)). Received: "
+            f"keys={keys[:5] + ['...'] if len(keys) > 5 else keys}")
     plt = _pyplot()
     rows, cols = _grid(n)
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
@@ -49,7 +56,7 @@ def plot_step_statistics(stats: Mapping[str, np.ndarray], path, stat_names=("mea
                          kind="output", title="Activation statistics per training step"):
     """One panel per point: each statistic against the training step."""
     points = _points(stats, f":{kind}/{stat_names[0]}")
-    axes, finish = _figure(len(points))
+    axes, finish = _figure(len(points), stats, f"`<point>:{kind}/{stat_names[0]}`")
     for ax, point in zip(axes, points):
         for stat in stat_names:
             key = f"{point}:{kind}/{stat}"
@@ -68,7 +75,7 @@ def plot_histograms(stats: Mapping[str, np.ndarray], edges: Mapping[str, np.ndar
                     title="Activation histograms: first and last training step"):
     """One panel per point: the first and last step's histogram, overlaid."""
     keys = sorted(k for k in stats if k.endswith("/hist"))
-    axes, finish = _figure(len(keys))
+    axes, finish = _figure(len(keys), stats, "`<point>:<kind>/hist`")
     for ax, key in zip(axes, keys):
         counts = np.asarray(stats[key])
         counts = counts if counts.ndim == 2 else counts[None]
@@ -90,7 +97,7 @@ def plot_grad_norms(stats: Mapping[str, np.ndarray], path, stat="rms",
                     title="Gradient of the loss per block (rms) per training step"):
     """One panel per point: d loss / d output, its `stat`, against the step."""
     points = _points(stats, f":grad/{stat}")
-    axes, finish = _figure(len(points))
+    axes, finish = _figure(len(points), stats, f"`<point>:grad/{stat}`")
     for ax, point in zip(axes, points):
         values = np.atleast_1d(stats[f"{point}:grad/{stat}"])
         ax.plot(np.arange(len(values)), values, color="tab:red")

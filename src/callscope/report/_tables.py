@@ -13,9 +13,12 @@ def statistics_table(stats: Mapping[str, np.ndarray]) -> str:
 
     Example:
 
-    >>> print(statistics_table({"m/a:output/mean": 1.0, "m/a:output/std": 0.5}))
-    point:kind   mean    std
-    m/a:output 1.0000 0.5000
+    Values show 5 significant digits (a std of 3e-7 is `3e-07`, not 0); the
+    CSV (`write_csv`) keeps every digit.
+
+    >>> print(statistics_table({"m/a:output/mean": 1.0, "m/a:output/std": 3e-7}))
+    point:kind mean   std
+    m/a:output    1 3e-07
     """
     rows: dict[str, dict[str, str]] = {}
     columns: list[str] = []
@@ -25,7 +28,7 @@ def statistics_table(stats: Mapping[str, np.ndarray]) -> str:
             continue  # histograms and per-step rows go to plots and CSV
         if stat not in columns:
             columns.append(stat)
-        rows.setdefault(base, {})[stat] = f"{float(value):.4f}"
+        rows.setdefault(base, {})[stat] = f"{float(value):.5g}"
     header = ["point:kind", *columns]
     table = [header] + [[base, *(r.get(c, "") for c in columns)] for base, r in rows.items()]
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
@@ -37,7 +40,18 @@ def statistics_table(stats: Mapping[str, np.ndarray]) -> str:
 
 
 def write_csv(path, stats: Mapping[str, np.ndarray]) -> None:
-    """One row per (key, step): `key, step, value` (histograms: one column per bin)."""
+    """One row per (key, step): `key, step, value` (histograms: the counts,
+    space-separated). Every digit is kept: a value as Python's `repr` writes it
+    (it reads back as the same float64), counts as integers.
+
+    >>> import pathlib, tempfile
+    >>> path = pathlib.Path(tempfile.mkdtemp()) / "s.csv"
+    >>> write_csv(path, {"m/a:output/min": 123456.78, "m/a:output/hist": [1234567.0, 0.0]})
+    >>> print(path.read_text().strip())
+    key,step,value
+    m/a:output/min,0,123456.78
+    m/a:output/hist,0,1234567 0
+    """
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["key", "step", "value"])
@@ -46,7 +60,7 @@ def write_csv(path, stats: Mapping[str, np.ndarray]) -> None:
             if key.endswith("/hist"):
                 rows = array if array.ndim == 2 else array[None]
                 for step, counts in enumerate(rows):
-                    writer.writerow([key, step, " ".join(f"{c:g}" for c in counts)])
+                    writer.writerow([key, step, " ".join(str(int(c)) for c in counts)])
             else:
                 for step, v in enumerate(np.atleast_1d(array)):
-                    writer.writerow([key, step, f"{float(v):.6g}"])
+                    writer.writerow([key, step, repr(float(v))])
