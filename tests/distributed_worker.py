@@ -307,14 +307,18 @@ class Unbuilt(cs.Model):
         return self.head(self.hidden(x))
 
 
-def unbuilt_captured_fit(scope):
-    """A capture around the first call of an unbuilt model: callscope builds it
-    (to find its points) in the strategy's scope, as Keras would (built outside,
-    its variables were plain, and the distributed update raised AssertionError)."""
+def unbuilt_captured_fit(scope, discover=False):
+    """A capture around the first call of an unbuilt model (or, `discover`,
+    `cs.points` and `cs.summary` before it): callscope builds it (to find its
+    points) in the strategy's scope, as Keras would (built outside, its variables
+    were plain, and the distributed update raised AssertionError)."""
     keras.utils.set_random_seed(0)
     with scope:
         model = Unbuilt()
         model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    if discover:
+        assert "unbuilt/hidden" in cs.points(model, X[:2])
+        cs.summary(model, X[:2], print_fn=lambda line: None)
     with cs.capture(model, "*/hidden") as cap, \
             cs.capture(model, "*/hidden", reduce=("mean", "std")) as stats:
         loss = model.fit(X, Y, epochs=1, batch_size=8, verbose=0, shuffle=False)
@@ -367,7 +371,8 @@ else:
             results["replica_arguments"] = str(e)
     results["handover"] = handover(strategy)
     results["unbuilt"] = {"single": unbuilt_captured_fit(contextlib.nullcontext()),
-                          "distributed": unbuilt_captured_fit(strategy.scope())}
+                          "distributed": unbuilt_captured_fit(strategy.scope()),
+                          "discovered": unbuilt_captured_fit(strategy.scope(), True)}
     results["synchronized_bn"] = synchronized_bn(strategy)
     with strategy.scope():  # stock Keras, the same validation run eagerly
         keras.utils.set_random_seed(0)

@@ -196,7 +196,7 @@ def test_inspect_bad_paths_and_files_are_one_line_errors(saved, tmp_path):
 
 
 def test_inspect_keeps_its_inputs_and_every_digit_and_says_failures_in_one_line(
-        saved, tmp_path):
+        saved, tmp_path, monkeypatch):
     # --out . --overwrite where the model and data sat deleted them; the CSV kept 6
     # digits (a count of 1234567 read 1.23457e+06); an error of the model's own (not
     # a ValueError) was a traceback; `--out ""` was ignored; a 0-d array was
@@ -246,6 +246,12 @@ def test_inspect_keeps_its_inputs_and_every_digit_and_says_failures_in_one_line(
 
     with pytest.raises(ValueError, match=r"Nothing to plot: no key .* is `<point>:grad/rms`"):
         report.plot_grad_norms({"m/a:output/mean": np.zeros(3)}, tmp_path / "g.png")
+    # Without matplotlib (an install without the plot extra), --out says so before
+    # any work, where the model was blamed after --out was half written.
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` fails
+    _one_line_error(run_here("inspect", path, "--data", tmp_path / "x.npy", "--out",
+                             tmp_path / "plots"), 1, "matplotlib", "callscope[plot]")
+    assert not (tmp_path / "plots").exists()
 
 
 def test_inspect_json_is_strict_with_null_for_no_finite_value(saved, tmp_path):

@@ -303,3 +303,25 @@ def test_tf_xla_context_is_seen_where_a_step_compiles_with_xla():
         model.predict(x, verbose=0)
         assert seen and set(seen) == {jit_compile}, (jit_compile, seen)
     assert not _keras_compat.in_tf_xla_context()
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="TF's autograph")
+def test_autograph_leaves_callscope_alone():
+    # A user's tf.function that calls a callscope model converts the code it
+    # reaches unless autograph's rules say not to (as for `keras`): converted, a
+    # full test run once called a stale conversion (`Patches._values`) in
+    # `stateless_call` (tensorflow 2.21.0).
+    import tensorflow as tf
+    from tensorflow.python.autograph.impl import conversion
+
+    from callscope import _mixin, _record
+
+    for fn in (_mixin.ContextMixin.stateless_call, _record.active_patches,
+               _record.Patches.find):
+        assert conversion.is_allowlisted(fn), fn
+    assert not conversion.is_allowlisted(test_autograph_leaves_callscope_alone)
+    _keras_compat.keep_autograph_out()  # once, whatever the calls
+    from tensorflow.python.autograph.core import config
+
+    assert sum(getattr(r, "_prefix", None) == "callscope" for r in config.CONVERSION_RULES) == 1
+    del tf

@@ -265,6 +265,25 @@ def test_names_and_keys_holding_the_characters_of_keys_are_percent_encoded(tmp_p
     np.testing.assert_allclose(patched["a/b"], plain["a/b"], rtol=1e-6)
     assert sorted(cap) == [f"{odd_point}:output"]
 
+    # Layers with names Keras made up, held in a dict: named by its keys.
+    class Heads(cs.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.heads = {"x/y": layers.Dense(2), "d": layers.Dense(3), "d@1": layers.Dense(2)}
+
+        def call(self, x):
+            d = self.heads["d"]
+            return d(x[:, :3]), d(x[:, 1:]), self.heads["d@1"](x), self.heads["x/y"](x)
+
+    net = Heads(name="net")
+    with cs.capture(net, "*") as cap:
+        outputs = [numpy(o) for o in net(X)]
+    assert {"net/heads_d@0", "net/heads_d@1", "net/heads_d%401", "net/heads_x%2Fy"} <= set(
+        cs.points(net, X))
+    for key, want in zip(("net/heads_d@0", "net/heads_d@1", "net/heads_d%401",
+                          "net/heads_x%2Fy"), outputs):
+        np.testing.assert_allclose(cap[f"{key}:output"], want, rtol=1e-6)
+
 
 def test_an_elements_name_does_not_depend_on_which_sublayers_ran():
     # The sublayer `noise` runs only in training: the element "noise" is `net/noise#1`
@@ -449,7 +468,7 @@ def test_patch_never_reached_raises_at_the_end_of_each_run():
 # --------------------------------------------------------------------------
 # Sown names, disk
 # --------------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["a|b", "a/b", "x:y", "", "h@0", "w*"])
+@pytest.mark.parametrize("name", ["a|b", "a/b", "x:y", "", "h@0", "w*", "a%40b"])
 def test_sow_names_are_validated(name):
     class Sower(layers.Layer):
         def call(self, x):

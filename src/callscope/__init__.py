@@ -38,6 +38,7 @@ from callscope._summary import points as points
 from callscope._summary import summary as summary
 
 _keras_compat.mark_made_up_names()  # stable points for unnamed sublayers: see there
+_keras_compat.keep_autograph_out()  # TF's autograph leaves callscope's code as it is
 
 __version__ = "0.1.0"
 

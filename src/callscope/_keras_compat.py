@@ -817,6 +817,28 @@ def is_graph_model(layer) -> bool:
 _MADE_UP_NAME = "_callscope_made_up_name"  # the name Keras made up, on its layer
 
 
+def keep_autograph_out() -> None:
+    """TF's autograph converts the Python code a user's `tf.function` calls,
+    module by module, unless its rules say not to; it leaves `keras` alone, and
+    now callscope too. callscope's code branches on Python values only, so a
+    conversion changes nothing but adds a cache of converted functions, which
+    once, deep in a full test run, handed `Patches._values`'s conversion to
+    `stateless_call`'s call of `active_patches` (a TypeError instead of the
+    refusal the call was due). Private TF API (tensorflow 2.21.0:
+    `autograph/core/config.py`, `CONVERSION_RULES`, a tuple of rules the first
+    matching of which decides); left alone where it is not there."""
+    if keras.backend.backend() != "tensorflow":
+        return
+    try:
+        from tensorflow.python.autograph.core import config
+    except ImportError:  # (the test `test_autograph_leaves_callscope_alone` fails)
+        return
+    rules = getattr(config, "CONVERSION_RULES", None)
+    if isinstance(rules, tuple) and not any(
+            getattr(rule, "_prefix", None) == "callscope" for rule in rules):
+        config.CONVERSION_RULES = (config.DoNotConvert("callscope"), *rules)
+
+
 def mark_made_up_names() -> None:
     """Marks each layer whose name Keras makes up, as it is made.
 

@@ -23,7 +23,7 @@ KINDS = ("output", "input", "grad")
 # What keys (`point:kind`, `@i`, `/` between parts, `|` in step outputs) and
 # `select` globs use: a sown name may not hold them.
 RESERVED = ("/", ":", "@", "|", "#", "*", "?", "[", "]")
-_ESCAPED = {c: f"%{ord(c):02X}" for c in ("%", *RESERVED)}
+_ESCAPED = {c: f"%{ord(c):02X}" for c in ("%", *RESERVED)}  # (sown names: none of these)
 
 
 def escaped(name: str) -> str:
@@ -66,8 +66,8 @@ def local_name(parent, child) -> str:
             or not _keras_compat.has_automatic_name(child):
         return escaped(child.name)
     attribute = _keras_compat.attribute_name(parent, child)
-    if attribute is not None:
-        return attribute
+    if attribute is not None:  # (a dict's key is in it: `heads_x/y`)
+        return escaped(attribute)
     name = child.name
     base = name.rstrip("0123456789")
     return escaped(base[:-1] if base.endswith("_") and base != name else name)

@@ -641,14 +641,16 @@ _CHECKED_NAMES: set[str] = set()
 
 
 def check_sow_name(name) -> None:
-    """A sown name is one path element: keys reserve `/ : @ | #` and glob characters."""
+    """A sown name is one path element: keys reserve `/ : @ | #` and glob
+    characters, and `%` starts what `_points.escaped` encodes."""
     if name in _CHECKED_NAMES:
         return
-    if not isinstance(name, str) or not name or any(c in name for c in RESERVED):
+    if not isinstance(name, str) or not name or any(c in name for c in ("%", *RESERVED)):
         raise ValueError(
             "`cs.sow` takes a non-empty name without the characters "
-            f"{' '.join(RESERVED)}: keys use them (`point:kind`, `@i`, `/` between "
-            "layers) and `select` globs match them. Use letters, digits, `_`, `-` or "
+            f"{' '.join(RESERVED)} %: keys use them (`point:kind`, `@i`, `/` between "
+            "layers, `%` in the names of layers that hold the others) and `select` "
+            "globs match them. Use letters, digits, `_`, `-` or "
             f"`.`, e.g. 'pre_act'. Received: name={name!r}"
         )
     _CHECKED_NAMES.add(name)

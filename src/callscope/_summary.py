@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import keras
 
-from callscope import _keras_compat, _record, _steps
+from callscope import _backend, _keras_compat, _record, _steps
 from callscope._points import Spec
 
 _EVERYTHING = Spec(select=lambda point, layer: True, kinds=("output",), stats=None, bins=1)
@@ -20,7 +20,9 @@ _EVERYTHING = Spec(select=lambda point, layer: True, kinds=("output",), stats=No
 def _run(model, x):
     _steps.check_not_rematerialized(model)
     if not model.built:
-        with _record.collecting_for(()):  # a plain call: builds, records nothing
+        # A plain call: builds, records nothing; in the model's strategy's scope,
+        # as Keras builds it (`_backend.strategy_scope`).
+        with _record.collecting_for(()), _backend.strategy_scope(model):
             model(x, training=False)
     _record.install_wrappers(model)
     with _record.collecting_for((_EVERYTHING,)) as collector:

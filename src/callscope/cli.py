@@ -324,6 +324,11 @@ def run_inspect(args):
     data = _model_data(layout, arrays)
     if args.out is not None:
         _check_out(args.out, args.overwrite, given=(args.model, args.data))
+        try:  # (before any work: the plot comes last)
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise InputError("--out writes plots, which need matplotlib: install the "
+                             "plot extra (pip install 'callscope[plot]')") from None
     stats_names = tuple(args.reduce.split(","))
     kinds = tuple(args.kinds.split(","))
     sample = _model_data(layout, arrays, args.batch_size)
@@ -332,6 +337,12 @@ def run_inspect(args):
         with cs.capture(model, args.select, kinds=kinds, reduce=stats_names) as stats:
             model.predict(data, batch_size=args.batch_size, verbose=0)
         values = {key: stats[key] for key in stats}
+    except ValueError as error:
+        raise InputError(_first_line(str(error))) from None
+    except Exception as error:  # the model's own (an index out of range): one line too
+        raise InputError(f"the model failed on {args.data}: {type(error).__name__}: "
+                         f"{_first_line(str(error))}") from None
+    try:
         if args.out:
             # Emptied only now that the statistics checked the data and the
             # selection: a run that fails on those leaves it as it was.
@@ -352,9 +363,8 @@ def run_inspect(args):
                                    title="Histograms over the whole data")
     except ValueError as error:
         raise InputError(_first_line(str(error))) from None
-    except Exception as error:  # the model's own (an index out of range): one line too
-        raise InputError(f"the model failed on {args.data}: {type(error).__name__}: "
-                         f"{_first_line(str(error))}") from None
+    except OSError as error:  # (a full disk: the model ran)
+        raise InputError(f"cannot write --out {args.out}: {error.strerror or error}") from None
     if args.json:
         # Strict JSON: a statistic with no finite value (NaN, ±inf) is null.
         print(json.dumps({k: _jsonable(v) for k, v in values.items()}, allow_nan=False))
