@@ -41,7 +41,7 @@ import keras
 import numpy as np
 from keras import ops
 
-from callscope import _keras_compat
+from callscope import _backend, _keras_compat
 
 _TORCH = keras.backend.backend() == "torch"
 _JAX = keras.backend.backend() == "jax"
@@ -247,8 +247,14 @@ def _picked(sums, finite, otherwise, also=()):
     """`finite` (partials) where every sum is finite and every condition in `also`
     holds, else `otherwise()`: picked on the device, by an `ops.cond`."""
     decides = [ops.isfinite(v) for v in sums.values()] + list(also)
-    return ops.cond(functools.reduce(ops.logical_and, decides), lambda: dict(finite),
-                    otherwise)
+    fits = functools.reduce(ops.logical_and, decides)
+    if _JAX and not _backend.is_tracing([fits]):
+        # Run op by op (a direct call, `run_eagerly`), the decision is a value:
+        # Python picks the branch. JAX's `cond` outside a trace compiles both
+        # branches at every call (new closures each time): a direct call of an
+        # 8 x Dense(64) model under `reduce=("mean", "std")` took 4 s.
+        return dict(finite) if bool(fits) else otherwise()
+    return ops.cond(fits, lambda: dict(finite), otherwise)
 
 
 def _scaled_partials(x, needed, bins, hist_range):
