@@ -500,6 +500,30 @@ def test_partials_compile_with_static_shapes():
     _check_partials(parts, x)
 
 
+@pytest.mark.parametrize("size", [2**24 - 3, 2**24 + 6], ids=["under_2**24", "over_2**24"])
+def test_counts_are_exact_either_side_of_2_to_the_24(size):
+    """Under 2**24 elements a count is a float32 sum of 0s and 1s (XLA compiles
+    it faster than an integer one), from there an int32 sum: both exact, as in
+    a compiled step."""
+    x = np.ones(size, "float32")
+    x[[5, 77, 1000, size - 1]] = 0.0
+    x[[3, size - 2]] = np.nan
+    x[[9, size - 9]] = np.inf
+    stats = ("frac_zero", "nan_count", "inf_count")
+    if BACKEND == "jax":
+        import jax
+
+        parts = jax.jit(lambda t: _reduce.partials(t, stats))(x)
+    elif BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        parts = tf.function(lambda t: _reduce.partials(t, stats), jit_compile=True)(x)
+    else:
+        parts = _reduce.partials(keras.ops.convert_to_tensor(x), stats)
+    parts = {name: numpy(value)[0] for name, value in parts.items()}
+    assert parts == {"n": size - 4, "nzero": 4, "nnan": 2, "ninf": 2}
+
+
 FINITE_CASES = ["relu", "offset", "overflow", "zeros", "squares_overflow"]
 
 

@@ -105,8 +105,16 @@ def check_stats(reduce) -> tuple[str, ...] | None:
 
 
 def _count(mask):
-    # Counted in int32 (exact), then float32 like every other partial.
-    return ops.cast(ops.sum(ops.cast(mask, "int32")), "float32")
+    """The number of True elements of a flat mask, as float32 like every other
+    partial (exact below 2**24). Where its length is known to be under 2**24, a
+    float32 sum of 0s and 1s: every partial sum is then an integer under 2**24,
+    exact in any order. XLA's CPU compiles an integer reduction about three
+    times as slowly, and a compiled step holds one per count per point: the
+    statistics of 60 tensors under `reduce=("mean", "std", "min", "max",
+    "frac_zero", "nan_count", "inf_count")` compiled in 10.2 s, against 13.0."""
+    if mask.shape[0] is not None and mask.shape[0] < 2**24:
+        return ops.sum(ops.cast(mask, "float32"))
+    return ops.cast(ops.sum(ops.cast(mask, "int32")), "float32")  # int32 is exact
 
 
 def partials(value, stats, bins=32, hist_range=None):
@@ -245,7 +253,8 @@ def _centred_partials(x, flat, needed, bins, hist_range):
 
 def _picked(sums, finite, otherwise, also=()):
     """`finite` (partials) where every sum is finite and every condition in `also`
-    holds, else `otherwise()`: picked on the device, by an `ops.cond`."""
+    holds, else `otherwise()`: picked on the device by an `ops.cond` where the
+    step is traced (compiled, or TF's graph), in Python where JAX runs op by op."""
     decides = [ops.isfinite(v) for v in sums.values()] + list(also)
     fits = functools.reduce(ops.logical_and, decides)
     if _JAX and not _backend.is_tracing([fits]):
