@@ -32,3 +32,4 @@ run buffers 60 buffers.py --repeats "$repeats"
 run context 60 context_overhead.py --backend "$backend" --repeats "$repeats"
 run sweep 40 sweep.py
 run sow 80 capture.py --backend "$backend" --only 1 --repeats "$repeats"
+run compile 120 compile_time.py
