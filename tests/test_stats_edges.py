@@ -115,6 +115,26 @@ def test_std_is_exact_where_the_mean_rounds(jit_compile, with_nan):
             np.sqrt((finite ** 2).mean()), rel=1e-6)
 
 
+@pytest.mark.parametrize("jit_compile", JIT + [True] if BACKEND == "tensorflow" else JIT)
+@pytest.mark.parametrize("with_nan", [False, True], ids=["finite", "masked"])
+def test_std_of_values_a_float32_step_apart_is_exact(jit_compile, with_nan):
+    # 0.1 give or take one float32 step, 160 of them: XLA's CPU summed them to a
+    # mean steps off, and M2 about it cancelled to a std 2e-5 too low (compiled,
+    # JAX and TF). M2 is now summed about the mean moved by the drift.
+    model = _ident()
+    model.compile(jit_compile=jit_compile)
+    v = np.float32(0.1)
+    steps = np.random.default_rng(2).integers(-1, 2, size=(40, 4))
+    x = (v + steps * np.spacing(v)).astype("float32")
+    if with_nan:
+        x[7, 1] = np.nan
+    with cs.capture(model, "m/ident", reduce=("mean", "std")) as cap:
+        model.predict(x, batch_size=40, verbose=0)
+    finite = x[np.isfinite(x)].astype(np.float64)
+    assert cap["m/ident:output/std"] == pytest.approx(finite.std(), rel=1e-6, abs=0)
+    assert cap["m/ident:output/mean"] == pytest.approx(finite.mean(), rel=1e-7)
+
+
 @pytest.mark.parametrize("jit_compile", JIT)
 @pytest.mark.parametrize("with_nan", [False, True], ids=["finite", "masked"])
 def test_a_std_merged_over_steps_takes_each_steps_mean_unrounded(jit_compile, with_nan):
@@ -500,28 +520,39 @@ def test_partials_compile_with_static_shapes():
     _check_partials(parts, x)
 
 
+@pytest.mark.parametrize("with_nan", [False, True], ids=["finite", "masked"])
 @pytest.mark.parametrize("size", [2**24 - 3, 2**24 + 6], ids=["under_2**24", "over_2**24"])
-def test_counts_are_exact_either_side_of_2_to_the_24(size):
+def test_counts_are_exact_either_side_of_2_to_the_24(size, with_nan):
     """Under 2**24 elements a count is a float32 sum of 0s and 1s (XLA compiles
-    it faster than an integer one), from there an int32 sum: both exact, as in
-    a compiled step."""
+    it faster than an integer one), from there an integer sum: 3 zeros among
+    2**24 + 3 ones read 2 (size less a float32 count of the non-zeros), and TF's
+    graph counted a histogram bin to 2**24 at most."""
     x = np.ones(size, "float32")
-    x[[5, 77, 1000, size - 1]] = 0.0
-    x[[3, size - 2]] = np.nan
-    x[[9, size - 9]] = np.inf
-    stats = ("frac_zero", "nan_count", "inf_count")
+    x[[5, 1000, size - 1]] = 0.0
+    bad = 0
+    if with_nan:
+        x[[3, size - 2]] = np.nan
+        x[[9, size - 9]] = np.inf
+        bad = 4
+    stats = ("frac_zero", "nan_count", "inf_count", "hist")
+
+    def fn(t):
+        return _reduce.partials(t, stats, bins=2, hist_range=(0.0, 2.0))
+
     if BACKEND == "jax":
         import jax
 
-        parts = jax.jit(lambda t: _reduce.partials(t, stats))(x)
+        parts = jax.jit(fn)(x)
     elif BACKEND == "tensorflow":
         import tensorflow as tf
 
-        parts = tf.function(lambda t: _reduce.partials(t, stats), jit_compile=True)(x)
+        parts = tf.function(fn)(x)  # a graph, as Keras's fit on a CPU (no XLA)
     else:
-        parts = _reduce.partials(keras.ops.convert_to_tensor(x), stats)
-    parts = {name: numpy(value)[0] for name, value in parts.items()}
-    assert parts == {"n": size - 4, "nzero": 4, "nnan": 2, "ninf": 2}
+        parts = fn(keras.ops.convert_to_tensor(x))
+    parts = {name: numpy(value)[0].tolist() for name, value in parts.items()}
+    f32 = lambda count: float(np.float32(count))  # noqa: E731
+    assert parts == {"n": f32(size - bad), "nzero": 3.0, "nnan": bad / 2, "ninf": bad / 2,
+                     "hist": [3.0, f32(size - bad - 3)]}
 
 
 FINITE_CASES = ["relu", "offset", "overflow", "zeros", "squares_overflow"]

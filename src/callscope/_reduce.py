@@ -104,17 +104,28 @@ def check_stats(reduce) -> tuple[str, ...] | None:
     return stats
 
 
+# Below this many elements, a float32 sum of 0s and 1s is an exact count: every
+# partial sum is an integer under 2**24, exact in any order. From there it is not
+# (TF's sums stop at 2**24, and size less a count of the rest rounds: 3 zeros
+# among 20M ones read 4), and counts are integer sums.
+_EXACT_IN_FLOAT32 = 2**24
+
+
+def _counts_in_float32(x) -> bool:
+    """Whether the length of flat `x` is known, when traced, to be under 2**24."""
+    return x.shape[0] is not None and x.shape[0] < _EXACT_IN_FLOAT32
+
+
 def _count(mask):
     """The number of True elements of a flat mask, as float32 like every other
-    partial (exact below 2**24). Where its length is known to be under 2**24, a
-    float32 sum of 0s and 1s: every partial sum is then an integer under 2**24,
-    exact in any order. XLA's CPU compiles an integer reduction about three
-    times as slowly, and a compiled step holds one per count per point: the
+    partial (exact below 2**24), summed as float32 where that is exact
+    (`_counts_in_float32`): XLA's CPU compiles an integer reduction about three
+    times as slowly, and a compiled step holds one per count per point (the
     statistics of 60 tensors under `reduce=("mean", "std", "min", "max",
-    "frac_zero", "nan_count", "inf_count")` compiled in 10.2 s, against 13.0."""
-    if mask.shape[0] is not None and mask.shape[0] < 2**24:
+    "frac_zero", "nan_count", "inf_count")` compiled in 10.2 s, against 13.0)."""
+    if _counts_in_float32(mask):
         return ops.sum(ops.cast(mask, "float32"))
-    return ops.cast(ops.sum(ops.cast(mask, "int32")), "float32")  # int32 is exact
+    return ops.cast(ops.sum(ops.cast(mask, "int32")), "float32")
 
 
 def partials(value, stats, bins=32, hist_range=None):
@@ -295,7 +306,7 @@ def _masked_partials(x, needed, bins, hist_range):
         # 0 when n == 0, so that an empty partial never carries a NaN mean.
         mean = ops.sum(xf) / ops.maximum(n, 1.0)
         if "sd" in needed:
-            out["dmean"], out["sd"] = _centred(ops.where(finite, xf - mean, 0.0), n)
+            out["dmean"], out["sd"] = _centred(ops.where(finite, xf - mean, 0.0), n, finite)
         out["mean"] = mean
     if "qm" in needed:
         # Scaled by the largest |value|, so that squares past float32's range
@@ -317,29 +328,39 @@ def _masked_partials(x, needed, bins, hist_range):
         out["ninf"] = _count(ops.isinf(x))
     if "hist" in needed:
         # Finite values outside the range count in the edge bins, so counts sum to n.
-        weight = ops.expand_dims(ops.cast(finite, "float32"), 1)
-        out["hist"] = ops.sum(_one_hot(xf, bins, hist_range) * weight, axis=0)
+        out["hist"] = _bin_counts(xf, bins, hist_range, finite)
     return out
 
 
-def _centred(deviations, n):
+def _centred(deviations, n, finite=None):
     """The mean's correction (`dmean`) and the standard deviation, from the
-    deviations about a first mean (corrected two-pass: that mean is a float32 sum
-    over n, off by its rounding; the deviations' own sum corrects both, so a
-    constant tensor has sd 0 and its exact value as mean, where Σd² alone gave n
-    times the rounding squared). The correction is a partial of its own, added
-    to the mean on the host in float64: added here, the mean was one float32,
-    rounded (see the module docstring). The deviations are squared over their
-    largest |value| (`_scale`), so that the squares of tiny deviations do not
-    flush to 0 (std read 0 for values under 1e-19) and those of huge ones do not
-    overflow."""
+    deviations about a first mean (`finite`: where they count, if not all).
+
+    That mean is a float32 sum over n, off by its rounding: by more than the
+    spread where the values lie within a few float32 steps of each other (0.1
+    give or take one step: 13 steps off, over 1024 values summed by XLA's CPU).
+    So the deviations' mean (their drift) moves it, and M2 is summed about the
+    moved mean, corrected by the residuals' own sum (corrected two-pass: a
+    constant tensor has sd 0 and its exact value as mean). Summed about the
+    first mean, the correction cancelled most of Σd²: the std of those 0.1s was
+    5e-5 off. The correction is a partial of its own, added to the mean on the
+    host in float64: added here, the mean was one float32, rounded (see the
+    module docstring). The residuals are squared over the deviations' largest
+    |value| (`_scale`; a residual is at most twice that), so that the squares of
+    tiny ones do not flush to 0 (std read 0 for values under 1e-19) and those of
+    huge ones do not overflow."""
     n = ops.maximum(n, 1.0)
-    drift = ops.sum(deviations)
-    scale = _scale(ops.max(ops.abs(deviations), initial=0.0))
-    m2 = ops.sum(ops.square(deviations / scale)) - ops.square(drift / scale) / n
-    # A correction that is not finite is left out: a mean whose sum overflowed is
-    # inf, and its deviations -inf (corrected, it read NaN).
-    shift = ops.nan_to_num(drift / n, nan=0.0, posinf=0.0, neginf=0.0)
+    largest = ops.max(ops.abs(deviations), initial=0.0)
+    # A drift that is not finite is left out: a mean whose sum overflowed is inf,
+    # and its deviations -inf (corrected, it read NaN).
+    drift = ops.nan_to_num(ops.sum(deviations) / n, nan=0.0, posinf=0.0, neginf=0.0)
+    residuals = deviations - drift
+    if finite is not None:
+        residuals = ops.where(finite, residuals, 0.0)
+    scale = _scale(largest)
+    rest = ops.sum(residuals)
+    m2 = ops.sum(ops.square(residuals / scale)) - ops.square(rest / scale) / n
+    shift = ops.nan_to_num(drift + rest / n, nan=0.0, posinf=0.0, neginf=0.0)
     return shift, scale * ops.sqrt(ops.maximum(m2, 0.0) / n)
 
 
@@ -411,22 +432,29 @@ def _finite_partials(x, sums, needed, bins, hist_range, scale=None, moments=None
         out["max"] = ops.max(x)
     if "absmax" in needed:
         out["absmax"] = ops.max(ops.abs(x))
-    if "nzero" in needed:
-        # sign(x)**2 is 1 for a non-zero x, 0 for zero: a count without a compare
-        # (a float sum of 0s and 1s, exact below 2**24 elements as `_count`'s cast).
+    if "nzero" in needed and _counts_in_float32(x):
+        # sign(x)**2 is 1 for a non-zero x, 0 for zero: a count without a compare.
         out["nzero"] = size - _sum_of_squares(ops.sign(x))
+    elif "nzero" in needed:
+        out["nzero"] = _count(ops.equal(x, 0.0))
     for name in ("nnan", "ninf"):
         if name in needed:
             out[name] = ops.zeros((), "float32")
     if "hist" in needed:
-        out["hist"] = ops.sum(_one_hot(x, bins, hist_range), axis=0)
+        out["hist"] = _bin_counts(x, bins, hist_range)
     return out
 
 
-def _one_hot(xf, bins, hist_range):
+def _bin_counts(x, bins, hist_range, finite=None):
+    """The histogram of flat `x` (of its `finite` elements, where given), as
+    float32 counts, summed as `_count` sums."""
+    dtype = "float32" if _counts_in_float32(x) else "int32"
     lo, width = _lo_width(hist_range, bins)
-    index = ops.clip(ops.floor((xf - lo) / width), 0, bins - 1)
-    return ops.one_hot(ops.cast(index, "int32"), bins, dtype="float32")
+    index = ops.clip(ops.floor((x - lo) / width), 0, bins - 1)
+    hot = ops.one_hot(ops.cast(index, "int32"), bins, dtype=dtype)
+    if finite is not None:
+        hot = hot * ops.expand_dims(ops.cast(finite, dtype), 1)
+    return ops.cast(ops.sum(hot, axis=0), "float32")
 
 
 # --------------------------------------------------------------------------
@@ -745,7 +773,9 @@ def _torch_partials(value, stats, bins, hist_range):
                     found = masked.min() if name == "min" else masked.max()
                 names.append(name), scalars.append(found)
         if "nzero" in needed:  # the finite zeros: n less xf's non-zeros
-            names.append("nzero"), scalars.append(n - _torch_nonzero(xf))
+            zeros = (n - _torch_nonzero(xf) if size < _EXACT_IN_FLOAT32
+                     else (x == 0).sum().to(f32))  # (NaN and inf are never 0)
+            names.append("nzero"), scalars.append(zeros)
         if "nnan" in needed or "ninf" in needed:
             nnan = (x != x).sum(dtype=f32)
             for name, count in (("nnan", nnan), ("ninf", None)):
@@ -851,7 +881,8 @@ def _torch_finite_partials(x, total, squares, needed, bins, hist_range):
         low, high = (v.item() for v in torch.aminmax(x))
         host.update(min=low, max=high, absmax=max(-low, high))
     if "nzero" in needed:
-        host["nzero"] = size - _torch_nonzero(x).item()
+        host["nzero"] = (size - _torch_nonzero(x).item() if size < _EXACT_IN_FLOAT32
+                         else (x == 0).sum().item())
     names = _scalar_names(needed)
     out = {}
     if names:
