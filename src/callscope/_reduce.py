@@ -350,10 +350,23 @@ def _centred(deviations, n, finite=None):
     tiny ones do not flush to 0 (std read 0 for values under 1e-19) and those of
     huge ones do not overflow."""
     n = ops.maximum(n, 1.0)
-    largest = ops.max(ops.abs(deviations), initial=0.0)
-    # A drift that is not finite is left out: a mean whose sum overflowed is inf,
+    inf = float("inf")
+    low = ops.min(deviations if finite is None else ops.where(finite, deviations, inf),
+                  initial=inf)
+    high = ops.max(deviations if finite is None else ops.where(finite, deviations, -inf),
+                   initial=-inf)
+    largest = ops.maximum(ops.maximum(high, -low), 0.0)
+    # The mean moves only where it is off by more than the deviations' range (a
+    # constant's, or values a few float32 steps apart): elsewhere residuals off
+    # its float32 grid would round (a std 1e-8 off read 9e-7), and M2 about the
+    # first mean loses no more than (drift / std)**2 float32 roundings. Moved,
+    # it stays within the range, as it is but for rounding (TF divides by
+    # multiplying by 1/n): a constant's residuals are 0, and its std too. A
+    # drift that is not finite is left out: a mean whose sum overflowed is inf,
     # and its deviations -inf (corrected, it read NaN).
-    drift = ops.nan_to_num(ops.sum(deviations) / n, nan=0.0, posinf=0.0, neginf=0.0)
+    drift = ops.sum(deviations) / n
+    moves = ops.logical_and(ops.isfinite(low + high), ops.abs(drift) > high - low)
+    drift = ops.where(moves, ops.clip(drift, low, high), 0.0)
     residuals = deviations - drift
     if finite is not None:
         residuals = ops.where(finite, residuals, 0.0)
