@@ -741,12 +741,16 @@ def _torch_partials(value, stats, bins, hist_range):
         size = x.numel()
         names, scalars, out = [], [], {}
         bad = (x - x) != 0  # NaN - NaN and inf - inf are NaN; NaN != 0
+
+        def count(mask):  # as `_count`: float32 sums where they are exact
+            return mask.sum(dtype=f32) if size < _EXACT_IN_FLOAT32 else mask.sum()
+
         if needed.intersection(_FINITE_ONLY + ("ninf",)):
-            nbad = bad.sum(dtype=f32)
+            nbad = count(bad)
         if needed.intersection(_FINITE_ONLY):
             xf = x.masked_fill(bad, 0.0)  # finite values, 0 elsewhere
         if "n" in needed:  # _NEEDS lists n with every mean
-            n = size - nbad
+            n = (size - nbad).to(f32)
             names.append("n"), scalars.append(n)
         if "mean" in needed or "sd" in needed:
             at_least_1 = n.clamp(min=1.0)
@@ -790,10 +794,11 @@ def _torch_partials(value, stats, bins, hist_range):
                      else (x == 0).sum().to(f32))  # (NaN and inf are never 0)
             names.append("nzero"), scalars.append(zeros)
         if "nnan" in needed or "ninf" in needed:
-            nnan = (x != x).sum(dtype=f32)
-            for name, count in (("nnan", nnan), ("ninf", None)):
+            nnan = count(x != x)
+            for name, found in (("nnan", nnan), ("ninf", None)):
                 if name in needed:
-                    names.append(name), scalars.append(nbad - nnan if count is None else count)
+                    found = nbad - nnan if found is None else found
+                    names.append(name), scalars.append(found.to(f32))
         if scalars:
             out = dict(zip(names, torch.stack(scalars).split(1)))
         if "hist" in needed:
