@@ -64,6 +64,13 @@ def verdict(interval: tuple, note: str) -> str:
     return "undecided"
 
 
+def seconds(fn) -> float:
+    """How long one call of `fn` takes, in seconds."""
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
 def timed_pairs(ours, reference, repeats: int) -> list:
     """`(ours seconds, reference seconds)` for `repeats` runs of each, alternating
     which goes first, after one warm-up call of each (compiles both).
@@ -79,9 +86,7 @@ def timed_pairs(ours, reference, repeats: int) -> list:
         times = {}
         for fn in order:
             gc.collect()
-            start = time.perf_counter()
-            fn()
-            times[fn] = time.perf_counter() - start
+            times[fn] = seconds(fn)
         pairs.append((times[ours], times[reference]))
     return pairs
 

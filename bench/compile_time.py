@@ -15,18 +15,12 @@ Usage:
 
 import argparse
 import os
-import time
 
 import keras
 import numpy as np
 
 import callscope as cs
-
-
-def _timed(fn):
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+from _paired import seconds
 
 
 def main():
@@ -49,8 +43,8 @@ def main():
             predict()
         return stats
 
-    plain_first, plain_again = _timed(predict), _timed(predict)
-    captured_first, captured_again = _timed(captured), _timed(captured)
+    plain_first, plain_again = seconds(predict), seconds(predict)
+    captured_first, captured_again = seconds(captured), seconds(captured)
     points = len(captured()) // len(reduce)
     print(f"backend={keras.backend.backend()} MobileNetV3Small(32x32) rows={args.rows} "
           f"batch={args.batch} reduce={','.join(reduce)} keys={points}x{len(reduce)} "

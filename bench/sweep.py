@@ -15,13 +15,13 @@ Usage:
 
 import argparse
 import statistics
-import time
 import warnings
 
 import keras
 import numpy as np
 
 import callscope as cs
+from _paired import seconds
 
 POSITIONS, UNITS = 64, 64
 TRACES = []
@@ -51,12 +51,6 @@ def _zero_position(h, values):
     return h * keras.ops.cast(keep, h.dtype)[None, :, None]
 
 
-def _timed(fn):
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=256)
@@ -73,7 +67,7 @@ def main():
     with cs.capture(model, "net/block_1") as clean:
         predict()
     clean_acts = clean["net/block_1:output"]
-    plain = [_timed(predict) for _ in range(9)]
+    plain = [seconds(predict) for _ in range(9)]
     corrupt = model.get_layer("block_1").dense(model.layers[0](x))  # any other values
     corrupt = keras.ops.convert_to_numpy(corrupt)
 
@@ -96,7 +90,7 @@ def main():
             for position in range(POSITIONS):
                 patches, values = patch_of(position)
                 with cs.patch(model, patches, values=values):
-                    times.append(_timed(predict))
+                    times.append(seconds(predict))
         keys = len(model._cs_table()) - builds_before
         evicted = sum("evicted" in str(w.message) for w in caught)
         first, rest = times[0], statistics.median(times[1:])

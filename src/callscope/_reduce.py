@@ -339,11 +339,13 @@ def _centred(deviations, n, finite=None):
     That mean is a float32 sum over n, off by its rounding: by more than the
     spread where the values lie within a few float32 steps of each other (0.1
     give or take one step: 13 steps off, over 1024 values summed by XLA's CPU).
-    So the deviations' mean (their drift) moves it, and M2 is summed about the
-    moved mean, corrected by the residuals' own sum (corrected two-pass: a
-    constant tensor has sd 0 and its exact value as mean). Summed about the
-    first mean, the correction cancelled most of Σd²: the std of those 0.1s was
-    5e-5 off. The correction is a partial of its own, added to the mean on the
+    Where the deviations' mean (their drift) exceeds their range, it moves the
+    mean (clipped to the range), and M2 is summed about the moved mean,
+    corrected by the residuals' own sum (corrected two-pass: a constant tensor
+    has sd 0 and its exact value as mean). Summed about the first mean, the
+    correction cancelled most of Σd²: the std of those 0.1s was 5e-5 off.
+    Elsewhere the mean stays, and the sums are those of a plain corrected
+    two-pass. The correction is a partial of its own, added to the mean on the
     host in float64: added here, the mean was one float32, rounded (see the
     module docstring). The residuals are squared over the deviations' largest
     |value| (`_scale`; a residual is at most twice that), so that the squares of
