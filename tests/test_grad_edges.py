@@ -1150,3 +1150,81 @@ def test_torch_intermediate_grads_refuses_inference_mode():
         with pytest.raises(RuntimeError, match="cannot differentiate inside "
                                                "torch.inference_mode()"):
             cs.intermediate_grads(model, fn, *args, select="*d1")
+
+
+# --------------------------------------------------------------------------
+# cs.intermediate_grads under the caller's scopes, outside any step
+# --------------------------------------------------------------------------
+def test_intermediate_grads_applies_an_open_patch_scope():
+    """The model's calls in `loss_fn` see a collector, as a step's do: they once
+    skipped the caller's cs.patch scope, and the loss and gradients were the
+    unpatched model's."""
+    model = _model()
+    fn, args = _mse_fn(model)
+    w1, b1 = _weights(model, "d1")
+    w2, b2 = _weights(model, "d2")
+    h = 2.0 * (X @ w1 + b1)  # the patched d1
+    out = h @ w2 + b2
+    d_out = 2 * (out - Y) / out.size
+    with cs.patch(model, {"m/d1": lambda value: value * 2.0}):
+        result = cs.intermediate_grads(model, fn, *args, select=["*d1", "*d2"])
+        direct = numpy(fn(*args))
+    assert float(numpy(result.loss)) == pytest.approx(np.mean((out - Y) ** 2), rel=1e-5)
+    assert float(direct) == pytest.approx(float(numpy(result.loss)), rel=1e-6)
+    np.testing.assert_allclose(_one(result.outputs, "d1:output"), h, rtol=1e-5)
+    np.testing.assert_allclose(_one(result.grads, "d2:grad"), d_out, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(_one(result.grads, "d1:grad"), d_out @ w2.T, rtol=1e-5,
+                               atol=1e-7)
+    # Nothing stays: outside the scope the model is unpatched again.
+    again = cs.intermediate_grads(model, fn, *args, select=["*d1", "*d2"])
+    ref = _reference(model)
+    assert float(numpy(again.loss)) == pytest.approx(ref["loss"], rel=1e-5)
+    np.testing.assert_allclose(_one(again.grads, "d1:grad"), ref["d1"], rtol=1e-5, atol=1e-7)
+
+
+def test_intermediate_grads_refuses_what_it_cannot_apply():
+    model = _model()
+    fn, args = _mse_fn(model)
+    with cs.patch(model, {"m/d9": lambda value: value}):
+        with pytest.raises(ValueError, match=r"cs.patch never reached \['m/d9'\] in this "
+                                             r"`loss_fn`.*Received: patches=\['m/d9'\]"):
+            cs.intermediate_grads(model, fn, *args, select="*d1")
+    # A capture would miss the call: it records calls, and this is not one.
+    with cs.capture(model, "*") as captured:
+        with pytest.raises(ValueError, match=r"A cs.capture of `m` is open around "
+                                             r"cs.intermediate_grads.*Received: an open "
+                                             r"cs.capture of `m`"):
+            cs.intermediate_grads(model, fn, *args, select="*d1")
+    assert dict(captured) == {}
+    # A patch on a model outside the one given would be lost.
+    other = _model()
+    other_fn, other_args = _mse_fn(other)
+    with cs.patch(other, {"m/d1": lambda value: value * 0.0}):
+        with pytest.raises(ValueError, match=r"patched at \['m/d1'\] by another scope.*"
+                                             r"Received: model=`m`"):
+            cs.intermediate_grads(model, lambda *a: fn(*args) + other_fn(*other_args),
+                                  *args, select="*d1")
+    # Inside the user's own compiled function, a cached run would keep the patch.
+    if BACKEND == "jax":
+        import jax
+
+        compiled = jax.jit(lambda tv, x: cs.intermediate_grads(model, fn, tv, x,
+                                                               select="*d1").loss)
+    elif BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        compiled = tf.function(lambda x: cs.intermediate_grads(model, fn, x,
+                                                               select="*d1").loss)
+    else:
+        compiled = None
+    if compiled is not None:
+        with cs.patch(model, {"m/d1": lambda value: value * 2.0}):
+            with pytest.raises(RuntimeError, match=r"cs.patch cannot change a function it "
+                                                   r"did not compile.*Received: a traced "
+                                                   r"cs.intermediate_grads under patches "
+                                                   r"of \['m/d1'\]"):
+                compiled(*args)
+    # None of it stays behind.
+    result = cs.intermediate_grads(model, fn, *args, select="*d1")
+    np.testing.assert_allclose(_one(result.grads, "d1:grad"), _reference(model)["d1"],
+                               rtol=1e-5, atol=1e-7)

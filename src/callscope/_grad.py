@@ -16,13 +16,15 @@ How each backend differentiates is in `_grads`.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any, NamedTuple
 
 import keras
 
-from callscope import _grads, _record, _steps
+from callscope import _backend, _grads, _keras_compat, _record, _scope, _steps
 from callscope._points import Spec, key_name, normalize_select, tree_points
 
 _BACKEND = keras.backend.backend()
@@ -73,14 +75,83 @@ def intermediate_grads(
     _steps.check_not_rematerialized(model)
     spec = Spec(normalize_select(select), ("output", "grad"), None, 1, None, owner=id(model))
     _record.install_wrappers(model)
-    with _record.collecting_for((spec,)) as collector:
+    # Outside a step (a step applies its own scopes), the caller's open cs.patch
+    # scopes of `model` apply here as in a direct `model(x)`: the model's calls in
+    # `loss_fn` see an active collector, and skip their scopes
+    # (`check_scopes_applied`).
+    direct = _record.active_collector() is None and _record.active_patches() is None
+    patches = _open_patches(model) if direct else ()
+    if patches and _backend.is_tracing(keras.tree.flatten(args)):
+        raise RuntimeError(
+            "cs.patch cannot change a function it did not compile: cs.intermediate_grads "
+            "ran inside your own `jax.jit`/`tf.function`/`torch.compile` while a "
+            f"cs.patch scope of `{model.name}` was open, and a cached run of that "
+            "function would go on patching after the scope closed. Call it outside "
+            "that function under the scope, or make the change inside `loss_fn`. "
+            f"Received: a traced cs.intermediate_grads under patches of "
+            f"{[point for _, point, _ in patches]}")
+    if patches and hasattr(model, "_cs_check_loops"):
+        model._cs_check_loops((), patches)
+    with _record.collecting_for((spec,)) as collector, \
+            (_record.patching(patches) if direct else contextlib.nullcontext()) as active:
         collector.manual = True
+        if direct:
+            collector.scopes_applied = (model.name, frozenset((o, p) for o, p, _ in patches))
         result = _grads.impl.value_and_grads(collector, _checked(loss_fn), args)
+    if patches:
+        _check_reached(model, patches, active.hits)
     grads = _named(collector.records, "grad")
     if not grads:
         raise ValueError(_nothing_selected(model, spec, collector))
     loss, aux = (result[0], result[1]) if isinstance(result, tuple) else (result, None)
     return IntermediateGrads(loss, aux, grads, _named(collector.records, "output"))
+
+
+def _open_patches(model) -> tuple:
+    """The caller's open patches of `model` and of the models inside it."""
+    inside = {id(model), *(id(layer) for layer in _keras_compat.flatten_layers(model))}
+    return _scope.patches_where(lambda owner: id(owner) in inside)
+
+
+def _check_reached(model, patches, hits) -> None:
+    """A patch that `loss_fn` never reached is an error, as in a call's run."""
+    if hasattr(model, "_cs_check_reached"):
+        model._cs_check_reached(SimpleNamespace(patches=patches, method="loss_fn"), hits)
+        return
+    missed = [point for owner, point, _ in patches if (owner, point) not in hits]
+    if missed:
+        raise ValueError(
+            f"cs.patch never reached {missed} in this `loss_fn`: no layer or sown value "
+            "that it ran has that point. Use `cs.points(model, x)` to list them. "
+            f"Received: patches={[point for _, point, _ in patches]}")
+
+
+def check_scopes_applied(model) -> None:
+    """Called by a callscope model's call inside a step or `loss_fn`: where a
+    `cs.intermediate_grads` outside any step runs, an open scope of `model` that it
+    did not apply is an error, not lost: a capture (its `outputs` are what it
+    records) or a patch of a model other than the one it was given."""
+    applied = getattr(_record.active_collector(), "scopes_applied", None)
+    if applied is None:
+        return
+    captures, patches = model._cs_scopes()
+    given, done = applied
+    if captures:
+        raise ValueError(
+            f"A cs.capture of `{captures[0].model.name}` is open around "
+            f"cs.intermediate_grads, whose `loss_fn` called `{model.name}`: that call "
+            "is not one the capture records (it would miss it). cs.intermediate_grads "
+            "returns the values of the points it selects (`outputs`) with their "
+            "gradients: select the points there, or call it outside the capture's "
+            f"scope. Received: an open cs.capture of `{captures[0].model.name}`")
+    left = [point for owner, point, _ in patches if (owner, point) not in done]
+    if left:
+        raise ValueError(
+            f"cs.intermediate_grads applies the open cs.patch scopes of its model "
+            f"(`{given}`) and of the models inside it, and its `loss_fn` called "
+            f"`{model.name}`, patched at {left} by another scope, which would be "
+            "lost. Pass a model that holds every patched one. Received: "
+            f"model=`{given}`")
 
 
 def _checked(loss_fn: Callable) -> Callable:

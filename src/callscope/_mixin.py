@@ -17,7 +17,7 @@ from typing import Any
 import keras
 import numpy as np
 
-from callscope import _backend, _keras_compat, _keys, _record, _scope
+from callscope import _backend, _grad, _keras_compat, _keys, _record, _scope
 from callscope._engine import Engine, _State
 
 _JAX_HOOKS = ((_keras_compat.AuxHook, _keras_compat.SyncHook)
@@ -171,6 +171,8 @@ class ContextMixin(Engine, _keras_compat.LossHook, *_JAX_HOOKS):
             captures, patches = self._cs_call_scopes(tracing)
             if captures or patches:
                 return self._cs_call_capturing(captures, patches, args, kwargs)
+        elif not symbolic:
+            _grad.check_scopes_applied(self)
         # A step's own call of the model takes no gate: the method running the step
         # took the turn it needs. (Taking it here too, a TF or torch predict step
         # holding the dynamic-input lock waited for an evaluate in another thread
@@ -214,7 +216,9 @@ class ContextMixin(Engine, _keras_compat.LossHook, *_JAX_HOOKS):
         self, trainable_variables, non_trainable_variables, *args, return_losses=False, **kwargs
     ):
         state = self._cs
-        if _record.active_collector() is None and _record.active_patches() is None:
+        if _record.active_collector() is not None or _record.active_patches() is not None:
+            _grad.check_scopes_applied(self)
+        else:
             # A direct stateless call under a capture or patch scope is a run of its
             # own, as `model(x)` is (Keras's `stateless_call` never calls `__call__`).
             leaves = keras.tree.flatten(args)

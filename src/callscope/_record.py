@@ -173,6 +173,9 @@ class Collector:
         self.loss = None  # set by the loss hook, for TensorFlow's outer tape
         self.grad_hooks = None  # torch: gradients taken by the step's own backward()
         self.manual = False  # cs.intermediate_grads takes the gradients itself
+        # cs.intermediate_grads outside any step: (its model's name, the open
+        # patches it applied as (owner id, point)); see `_grad.check_scopes_applied`.
+        self.scopes_applied = None
         # JAX's cs.intermediate_grads: the trace marker where `loss_fn` runs. The
         # model's own call under another (a jax.vmap, jax.jit or jax.checkpoint)
         # makes values that cannot leave that transformation, as a loop's cannot.
@@ -616,6 +619,7 @@ def collecting() -> Iterator[Collected]:
         inner.tree = outer.tree
         inner.perturbations = outer.perturbations
         inner.batch_axes = outer.batch_axes
+        inner.scopes_applied = outer.scopes_applied
         yield result
     result.values = inner.records
     if inner.rows is not None:

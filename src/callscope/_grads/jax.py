@@ -34,7 +34,7 @@ def _zeros(collector, forward, *args) -> dict:
 
     def probe(*args):
         with _record.collecting_for(collector.specs, resolved=collector.resolved) as inner:
-            inner.manual = collector.manual
+            inner.manual, inner.scopes_applied = collector.manual, collector.scopes_applied
             forward(*args)
             return dict(inner.grad_source_list())
 
