@@ -1228,3 +1228,44 @@ def test_intermediate_grads_refuses_what_it_cannot_apply():
     result = cs.intermediate_grads(model, fn, *args, select="*d1")
     np.testing.assert_allclose(_one(result.grads, "d1:grad"), _reference(model)["d1"],
                                rtol=1e-5, atol=1e-7)
+
+
+class _IntermediateGradsStep(cs.Sequential):
+    """A train_step that takes its gradients with cs.intermediate_grads (the way
+    out of two `compute_loss` calls); the step calls the model only in `loss_fn`."""
+
+    def train_step(self, *step):
+        data = step[-1]
+        x, y = data[0], data[1]
+        if BACKEND == "jax":
+            tv, ntv = step[0][0], step[0][1]
+
+            def fn(tv, x):
+                y_pred, _ = self.stateless_call(tv, ntv, x, training=True)
+                return self.compute_loss(x=x, y=y, y_pred=y_pred)
+
+            result = cs.intermediate_grads(self, fn, tv, x, select="*d1")
+        else:
+            def fn(x):
+                return self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
+
+            result = cs.intermediate_grads(self, fn, x, select="*d1")
+        logs = {"loss_seen": result.loss, "d1_grad_sum": keras.ops.sum(result.grads["m/d1:grad"])}
+        return (logs, step[0]) if BACKEND == "jax" else logs
+
+
+def test_a_capture_records_the_points_of_intermediate_grads_inside_a_step():
+    """Inside a recording step, `loss_fn`'s points go to the step's capture as well:
+    cs.intermediate_grads' own collector once shadowed the step's, and the capture
+    missed them (here: selected nothing)."""
+    model = _model(_IntermediateGradsStep)
+    ref = _reference(model)
+    w1, b1 = _weights(model, "d1")
+    with cs.capture(model, ["*d1", "*d2"]) as captured:
+        history = model.fit(X, Y, batch_size=len(X), epochs=1, shuffle=False, verbose=0)
+    np.testing.assert_allclose(numpy(captured["m/d1:output"]), X @ w1 + b1, rtol=1e-5,
+                               atol=1e-6)
+    assert numpy(captured["m/d2:output"]).shape == (len(X), 1)
+    assert history.history["loss_seen"][0] == pytest.approx(ref["loss"], rel=1e-5)
+    assert history.history["d1_grad_sum"][0] == pytest.approx(float(ref["d1"].sum()),
+                                                              rel=1e-4, abs=1e-6)

@@ -92,19 +92,37 @@ def intermediate_grads(
             f"{[point for _, point, _ in patches]}")
     if patches and hasattr(model, "_cs_check_loops"):
         model._cs_check_loops((), patches)
-    with _record.collecting_for((spec,)) as collector, \
+    # Inside a step that records (a capture), the step's points in `loss_fn` are
+    # recorded here too, and handed to the step's collector: shadowed by this one,
+    # the capture missed them.
+    outer = _record.active_collector()
+    specs = (spec,) if outer is None else (*outer.specs, spec)
+    ours = str(len(specs) - 1)
+    # (Its selection resolved apart: `outer.resolved` caches which spec, by index,
+    # takes each point, and these specs are not the step's.)
+    with _record.collecting_for(specs, "call" if outer is None else outer.kind) as collector, \
             (_record.patching(patches) if direct else contextlib.nullcontext()) as active:
         collector.manual = True
         if direct:
             collector.scopes_applied = (model.name, frozenset((o, p) for o, p, _ in patches))
+        if outer is not None:  # one naming for the whole step, as `cs.collecting`'s
+            collector.stack, collector.owners = list(outer.stack), outer.owners
+            collector.loops, collector.tree = outer.loops, outer.tree
+            collector.batch_axes = outer.batch_axes
         result = _grads.impl.value_and_grads(collector, _checked(loss_fn), args)
     if patches:
         _check_reached(model, patches, active.hits)
-    grads = _named(collector.records, "grad")
+    records = {}
+    for name, values in collector.records.items():
+        (records if _record.split_record(name)[0] == ours else outer.records).setdefault(
+            name, []).extend(values)
+    if outer is not None and collector.rows is not None:
+        outer.rows = collector.rows
+    grads = _named(records, "grad")
     if not grads:
         raise ValueError(_nothing_selected(model, spec, collector))
     loss, aux = (result[0], result[1]) if isinstance(result, tuple) else (result, None)
-    return IntermediateGrads(loss, aux, grads, _named(collector.records, "output"))
+    return IntermediateGrads(loss, aux, grads, _named(records, "output"))
 
 
 def _open_patches(model) -> tuple:
