@@ -5,7 +5,7 @@ import re
 import keras
 import numpy as np
 import pytest
-from conftest import numpy
+from conftest import BACKEND, numpy
 from models_for_tests import HalvesWhenDebugging
 
 import callscope as cs
@@ -122,7 +122,8 @@ def test_sowing_anything_but_one_tensor_is_a_type_error(kind, reduce):
     assert "m/s/v" in cs.points(dense, X)
 
 
-@pytest.mark.parametrize("value", [3.0, 7, np.arange(3.0)], ids=["float", "int", "array"])
+@pytest.mark.parametrize("value", [3.0, 7, np.arange(3.0), np.float64(3.5), np.int64(7)],
+                         ids=["float", "int", "array", "np.float64", "np.int64"])
 def test_a_sown_number_or_numpy_array_is_recorded_as_a_tensor(value):
     model = cs.Sequential([keras.Input((2,)), _Sows(lambda x: value, name="s")], name="m")
     with cs.capture(model) as cap, cs.capture(model, reduce="mean") as stats:
@@ -130,8 +131,29 @@ def test_a_sown_number_or_numpy_array_is_recorded_as_a_tensor(value):
     expected = np.concatenate([np.reshape(value, (-1,))] * 3)
     np.testing.assert_allclose(cap["m/s/v:output"], expected)
     # float64 is floatx, as Keras converts its inputs: one dtype on every backend.
-    assert cap["m/s/v:output"].dtype == ("int32" if isinstance(value, int) else "float32")
+    # (np.float64 is a Python float too: TF kept float64.) A numpy int keeps its
+    # width where the backend holds it: int64 on TF and torch, int32 on JAX.
+    wide = "int32" if BACKEND == "jax" else "int64"
+    assert cap["m/s/v:output"].dtype == ("int32" if type(value) is int else wide
+                                         if isinstance(value, np.int64) else "float32")
     assert stats["m/s/v:output/mean"] == pytest.approx(np.mean(value))
+
+
+def test_a_sown_integer_the_backend_cannot_hold_is_refused():
+    """JAX (without `jax_enable_x64`) holds numpy's int64 as int32: 2**40 + 1 read 1."""
+    value = np.array([2**40 + 1, 3], np.int64)
+    model = cs.Sequential([keras.Input((2,)), _Sows(lambda x: value, name="s")], name="m")
+    if BACKEND != "jax":
+        with cs.capture(model) as cap:
+            model(X)
+        np.testing.assert_array_equal(cap["m/s/v:output"], value)
+        return
+    with pytest.raises(ValueError, match=r"cs.sow of `m/s/v` was given int64 values from 3 "
+                                         r"to 1099511627777, and jax holds them as int32.*"
+                                         r"Received: value of dtype int64, min=3, "
+                                         r"max=1099511627777"):
+        with cs.capture(model):
+            model(X)
 
 
 class _Slices(keras.layers.Layer):

@@ -864,19 +864,39 @@ def _one_tensor(point: str, value: Any) -> Any:
     statistic reduces."""
     if isinstance(value, keras.Variable) or ops.is_tensor(value):
         return value
-    if isinstance(value, (bool, int, float)):
-        return ops.convert_to_tensor(value)  # Keras's rule: int32, float32
+    # (numpy's scalars first: np.float64 is a Python float too, and TF kept its
+    # float64 where JAX and torch gave float32.)
     if isinstance(value, (np.ndarray, np.generic)):
         array = np.asarray(value)
         if array.dtype.kind in "biuf":
             floatx = array.dtype == np.float64
-            return ops.convert_to_tensor(array, keras.backend.floatx() if floatx else None)
+            tensor = ops.convert_to_tensor(array, keras.backend.floatx() if floatx else None)
+            if array.dtype.kind in "iu" and array.size:
+                _check_ints_held(point, array, tensor)
+            return tensor
+    elif isinstance(value, (bool, int, float)):
+        return ops.convert_to_tensor(value)  # Keras's rule: int32, float32
     several = isinstance(value, (tuple, list, dict))
     raise TypeError(
         f"cs.sow records one tensor, and `{point}` was given a {type(value).__name__}"
         + (": sow each of its tensors under a name of its own, e.g. "
            "`cs.sow(self, 'h_0', h[0])`" if several else "")
         + f". Received: value={type(value).__name__}")
+
+
+def _check_ints_held(point: str, array: np.ndarray, tensor) -> None:
+    """Integers the backend narrowed (JAX without `jax_enable_x64` holds int64 and
+    uint64 as 32-bit) are refused where they do not fit: 2**40 + 1 read 1."""
+    held = keras.backend.standardize_dtype(tensor.dtype)
+    limits = np.iinfo(held)
+    low, high = array.min(), array.max()
+    if low < limits.min or high > limits.max:
+        raise ValueError(
+            f"cs.sow of `{point}` was given {array.dtype} values from {low} to {high}, "
+            f"and {keras.backend.backend()} holds them as {held}, which cannot (JAX has no "
+            "64-bit integers unless `jax_enable_x64` is set): they would be recorded "
+            "wrapped around. Sow values within that range, or as floats. Received: "
+            f"value of dtype {array.dtype}, min={low}, max={high}")
 
 
 # --------------------------------------------------------------------------
