@@ -179,3 +179,39 @@ def test_an_array_patch_that_a_cast_would_change_is_refused():
             model.predict(CLEAN, verbose=0)
     np.testing.assert_array_equal(numpy(model.predict(CLEAN, verbose=0)),
                                   np.argmax(CLEAN, axis=-1))
+
+
+@pytest.mark.parametrize("jit_compile", [False, "auto"])
+def test_a_patch_function_returns_values_in_the_points_dtype(jit_compile):
+    """As an array patch's: the layers after it got whatever dtype it returned, each
+    backend reading it its own way (one_hot of floats gave zeros on JAX, a
+    truncation on TF and torch)."""
+    class ArgMax(keras.layers.Layer):
+        def call(self, x):
+            return keras.ops.argmax(x, axis=-1)
+
+    inputs = keras.Input((4,))
+    index = ArgMax(name="am")(inputs)
+    hot = keras.layers.Lambda(lambda i: keras.ops.one_hot(i, 4), name="hot")(index)
+    model = cs.Model(inputs, hot, name="m")
+    model.compile(jit_compile=jit_compile)
+    with pytest.raises(TypeError, match=r"The patch of `m/am` returned float32 values, and the "
+                                        r"point's value is int\d+: casting them back would "
+                                        r"change them \(2.7 -> 2\).*Received: a value of "
+                                        r"dtype float32 for a point of dtype int"):
+        with cs.patch(model, {"m/am": lambda i: keras.ops.cast(i, "float32") + 0.5}):
+            model.predict(CLEAN, verbose=0)
+    # Ints onto a float point, and float16 onto float32, are cast back: no value changes.
+    dense = _model(jit_compile)
+    h = numpy(keras.ops.relu(dense.get_layer("b0").dense(CLEAN)))
+    w, b = (numpy(v) for v in dense.get_layer("b1").dense.weights)
+    with cs.capture(dense, "tiny/b1/pre_act") as cap:
+        with cs.patch(dense, {"tiny/b0": lambda v: keras.ops.cast(v * 4.0, "int32")}):
+            dense.predict(CLEAN, verbose=0)
+        with cs.patch(dense, {"tiny/b0": lambda v: keras.ops.cast(v, "float16") * 3.0}):
+            dense.predict(CLEAN, verbose=0)
+    as_int, halves = (numpy(cap.calls[i]["tiny/b1/pre_act:output"]) for i in range(2))
+    assert as_int.dtype == halves.dtype == np.float32
+    np.testing.assert_allclose(as_int, np.trunc(h * 4.0) @ w + b, rtol=1e-5, atol=1e-5)
+    half = (h.astype(np.float16) * np.float16(3.0)).astype(np.float32)
+    np.testing.assert_allclose(halves, half @ w + b, rtol=1e-5, atol=1e-5)

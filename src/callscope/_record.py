@@ -1361,13 +1361,14 @@ class Patches:
         rows = (" It took the value's first axis as the batch's rows: a value whose rows "
                 "are on another axis is patched where it is sown, with "
                 "`cs.sow(..., batch_axis=)`." if getattr(fn, "takes_batch", False) else "")
-        return _backend.check_same_shape(
+        out = _backend.check_same_shape(
             out, value,
             f"The patch of `{name}` returned a value of shape {{got}}, but the point's "
             f"value has shape {{want}}: a patch must keep the shape. For a patch that "
             "depends on the batch, take `fn(value, batch)` and use `batch.start` and "
             f"`batch.rows`, or pass the full-data array itself as the patch.{rows}"
         )
+        return _in_dtypes_of(name, out, value)
 
 
     def _values(self, owner, name, fn):
@@ -1384,6 +1385,38 @@ class Patches:
 
 def active_patches() -> Patches | None:
     return _ACTIVE.patches
+
+
+def _in_dtypes_of(name: str, out, value):
+    """A patch function's result in the dtypes of the point's value, as an array
+    patch is: the layers after it got whatever dtype it returned, and read it each
+    backend its own way (a float32 result at an int32 point: one_hot gave zeros on
+    JAX, a truncation on TF and torch). A cast that would change values beyond
+    rounding (floats to ints, numbers to bools) is refused."""
+    outs, wants = keras.tree.flatten(out), keras.tree.flatten(value)
+    cast = []
+    for got, want in zip(outs, wants):
+        got_dtype, want_dtype = getattr(got, "dtype", None), getattr(want, "dtype", None)
+        if got_dtype is None or want_dtype is None or got_dtype == want_dtype:
+            cast.append(got)
+            continue
+        got_dtype, want_dtype = (keras.backend.standardize_dtype(d) for d in (got_dtype,
+                                                                             want_dtype))
+        if got_dtype == want_dtype:
+            cast.append(got)
+        elif _inputs.may_hold(want_dtype, got_dtype):
+            cast.append(ops.cast(got, want_dtype))
+        else:
+            raise TypeError(
+                f"The patch of `{name}` returned {got_dtype} values, and the point's value "
+                f"is {want_dtype}: casting them back would change them ("
+                f"{'2.7 -> 2' if _inputs.kind(want_dtype) == 'int' else '2 -> True'}), "
+                f"and the layers after it take {want_dtype}. Return the point's dtype "
+                f"(e.g. `keras.ops.cast(keras.ops.round(out), {want_dtype!r})`). Received: a "
+                f"value of dtype {got_dtype} for a point of dtype {want_dtype}")
+    if all(c is o for c, o in zip(cast, outs)):
+        return out
+    return keras.tree.pack_sequence_as(out, cast)
 
 
 @contextlib.contextmanager
