@@ -215,3 +215,17 @@ def test_a_patch_function_returns_values_in_the_points_dtype(jit_compile):
     np.testing.assert_allclose(as_int, np.trunc(h * 4.0) @ w + b, rtol=1e-5, atol=1e-5)
     half = (h.astype(np.float16) * np.float16(3.0)).astype(np.float32)
     np.testing.assert_allclose(halves, half @ w + b, rtol=1e-5, atol=1e-5)
+
+
+def test_a_batch_patch_in_a_direct_call_names_the_methods_that_give_the_batch():
+    model = _model(False)
+    with cs.patch(model, {"tiny/b0": lambda value, batch: value}):
+        with pytest.raises(ValueError, match=r"The patch of `tiny/b0` takes the batch .*which "
+                                             r"only `predict`, `evaluate` and the \*_on_batch "
+                                             r"methods give .*Received: a direct model\(x\) "
+                                             r"call"):
+            model(CLEAN)
+    with cs.patch(model, {"tiny/b0": lambda value: value[:, :2]}):
+        with pytest.raises(ValueError, match=r"a patch must keep the shape.*Received: a value "
+                                             r"of shape \(5, 2\) for `tiny/b0`"):
+            model.predict(CLEAN, verbose=0)

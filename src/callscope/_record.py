@@ -1332,8 +1332,9 @@ class Patches:
             if self.offset is None:
                 raise ValueError(
                     f"The patch of `{name}` takes the batch (`fn(value, batch)` or an "
-                    "array), which only `predict`, `evaluate`, `fit` and the *_on_batch "
-                    "methods give. Received: a direct model(x) call"
+                    "array), which only `predict`, `evaluate` and the *_on_batch methods "
+                    "give (each call's data starts at row 0). Received: a direct model(x) "
+                    "call"
                 )
             if batch_axis is None:
                 raise _batch_patch_error(name, "but the point is sown with batch_axis=None: "
@@ -1366,7 +1367,8 @@ class Patches:
             f"The patch of `{name}` returned a value of shape {{got}}, but the point's "
             f"value has shape {{want}}: a patch must keep the shape. For a patch that "
             "depends on the batch, take `fn(value, batch)` and use `batch.start` and "
-            f"`batch.rows`, or pass the full-data array itself as the patch.{rows}"
+            f"`batch.rows`, or pass the full-data array itself as the patch.{rows} "
+            f"Received: a value of shape {{got}} for `{name}`"
         )
         return _in_dtypes_of(name, out, value)
 
