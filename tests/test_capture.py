@@ -275,6 +275,32 @@ def test_select_callable_and_no_match_error():
             net.predict(X, verbose=0)
 
 
+class _Skips(keras.layers.Layer):
+    """Holds two layers and runs one: `spare` is a point no call reaches."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.used = keras.layers.Dense(2, name="used")
+        self.spare = keras.layers.Dense(2, name="spare")
+
+    def build(self, shape):
+        self.used.build(shape), self.spare.build(shape)
+
+    def call(self, x):
+        return self.used(x)
+
+
+def test_a_point_no_call_reached_is_named_as_such():
+    """The error listed the very name selected among the nearest points, with no word
+    of why (torch's keras.ops.cond runs one branch, so the other's points never run)."""
+    model = cs.Sequential([keras.Input((X.shape[1],)), _Skips(name="skips")], name="m")
+    with pytest.raises(ValueError, match=r"no point matched \['m/skips/spare'\] that a call "
+                                         r"reached: \['m/skips/spare'\] are points of the "
+                                         r"model's layers that no call in this scope ran"):
+        with cs.capture(model, "m/skips/spare"):
+            model.predict(X, verbose=0)
+
+
 @pytest.mark.parametrize("jit_compile", JIT)
 def test_statistics_are_exact_aggregates_over_all_batches(jit_compile):
     net = _net(jit_compile)

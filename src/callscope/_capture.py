@@ -347,6 +347,12 @@ class Capture(Mapping):
             return _no_kind(matched, self.model._cs.seen, wanted, self.spec.kinds)
         else:
             hint = f"no point matched {list(wanted)}"
+            unreached = [w for w in wanted if w in points and w not in self.model._cs.seen]
+            if unreached:  # named in the model's layers, but no call ran them
+                hint += (f" that a call reached: {unreached} are points of the model's "
+                         "layers that no call in this scope ran (a layer its `call` "
+                         "skipped, such as one in a branch not taken: torch runs only "
+                         "the branch of `keras.ops.cond` that its condition picks)")
             near = sorted({p for w in wanted
                            for p in difflib.get_close_matches(w, points, n=5, cutoff=0.2)})
             near = near or points[:8]
