@@ -1218,12 +1218,16 @@ def test_intermediate_grads_refuses_what_it_cannot_apply():
     else:
         compiled = None
     if compiled is not None:
-        with cs.patch(model, {"m/d1": lambda value: value * 2.0}):
-            with pytest.raises(RuntimeError, match=r"cs.patch cannot change a function it "
-                                                   r"did not compile.*Received: a traced "
-                                                   r"cs.intermediate_grads under patches "
-                                                   r"of \['m/d1'\]"):
-                compiled(*args)
+        # A `loss_fn` that closes over the traced values: no tracer among the args.
+        closed = (jax.jit if BACKEND == "jax" else tf.function)(
+            lambda *a: cs.intermediate_grads(model, lambda: fn(*a), select="*d1").loss)
+        for traced in (compiled, closed):
+            with cs.patch(model, {"m/d1": lambda value: value * 2.0}):
+                with pytest.raises(RuntimeError, match=r"cs.patch cannot change a function "
+                                                       r"it did not compile.*Received: a "
+                                                       r"traced cs.intermediate_grads under "
+                                                       r"patches of \['m/d1'\]"):
+                    traced(*args)
     # None of it stays behind.
     result = cs.intermediate_grads(model, fn, *args, select="*d1")
     np.testing.assert_allclose(_one(result.grads, "d1:grad"), _reference(model)["d1"],
@@ -1269,3 +1273,22 @@ def test_a_capture_records_the_points_of_intermediate_grads_inside_a_step():
     assert history.history["loss_seen"][0] == pytest.approx(ref["loss"], rel=1e-5)
     assert history.history["d1_grad_sum"][0] == pytest.approx(float(ref["d1"].sum()),
                                                               rel=1e-4, abs=1e-6)
+
+
+def test_a_gradient_capture_of_a_step_whose_loss_intermediate_grads_takes_is_refused():
+    """Its `compute_loss` runs inside cs.intermediate_grads: the step's gradient
+    capture sees no loss, and says why (it said to call `compute_loss`, which the
+    step does). On JAX a custom train_step under a gradient capture is refused
+    before it runs."""
+    model = _model(_IntermediateGradsStep)
+    match = (r"differentiates through callscope's own copy of Keras's train_step"
+             if BACKEND == "jax" else
+             r"found no loss in this train_step: its `compute_loss` ran inside "
+             r"cs.intermediate_grads.*Received: cs.intermediate_grads in a step under a "
+             r"gradient capture")
+    with pytest.raises(ValueError, match=match):
+        with cs.capture(model, "*d2", kinds=("output", "grad")):
+            model.fit(X, Y, batch_size=len(X), epochs=1, verbose=0)
+    with cs.capture(model, "*d2") as captured:  # nothing stays behind
+        model.fit(X, Y, batch_size=len(X), epochs=1, verbose=0)
+    assert numpy(captured["m/d2:output"]).shape == (len(X), 1)

@@ -81,7 +81,8 @@ def intermediate_grads(
     # (`check_scopes_applied`).
     direct = _record.active_collector() is None and _record.active_patches() is None
     patches = _open_patches(model) if direct else ()
-    if patches and _backend.is_tracing(keras.tree.flatten(args)):
+    # (Whatever `args` hold: a `loss_fn` may close over the traced values.)
+    if patches and _backend.is_tracing_now():
         raise RuntimeError(
             "cs.patch cannot change a function it did not compile: cs.intermediate_grads "
             "ran inside your own `jax.jit`/`tf.function`/`torch.compile` while a "
@@ -114,10 +115,15 @@ def intermediate_grads(
         _check_reached(model, patches, active.hits)
     records = {}
     for name, values in collector.records.items():
-        (records if _record.split_record(name)[0] == ours else outer.records).setdefault(
-            name, []).extend(values)
-    if outer is not None and collector.rows is not None:
-        outer.rows = collector.rows
+        index, _, kind = _record.split_record(name)
+        if index == ours:
+            records[name] = values
+        elif kind != "grad":  # (the step takes its gradients of its own loss)
+            outer.records.setdefault(name, []).extend(values)
+    if outer is not None:
+        outer.took_grads_inside = True
+        if collector.rows is not None:
+            outer.rows = collector.rows
     grads = _named(records, "grad")
     if not grads:
         raise ValueError(_nothing_selected(model, spec, collector))

@@ -176,6 +176,7 @@ class Collector:
         # cs.intermediate_grads outside any step: (its model's name, the open
         # patches it applied as (owner id, point)); see `_grad.check_scopes_applied`.
         self.scopes_applied = None
+        self.took_grads_inside = False  # a cs.intermediate_grads ran inside this step
         # JAX's cs.intermediate_grads: the trace marker where `loss_fn` runs. The
         # model's own call under another (a jax.vmap, jax.jit or jax.checkpoint)
         # makes values that cannot leave that transformation, as a loop's cannot.

@@ -39,6 +39,14 @@ else:  # pragma: no cover - keras has no other backend callscope supports
 
 
 def require_loss(collector, kind: str) -> None:
+    if collector.loss is None and collector.took_grads_inside:
+        raise ValueError(
+            f"cs.capture(kinds=('grad',)) found no loss in this {kind}_step: its "
+            "`compute_loss` ran inside cs.intermediate_grads, which takes its own "
+            "gradients of it. Take d loss / d point from that call's result (select "
+            "the points there), and capture the other kinds. Received: "
+            "cs.intermediate_grads in a step under a gradient capture"
+        )
     if collector.loss is None:
         raise ValueError(
             f"cs.capture(kinds=('grad',)) found no loss in this {kind}_step: it takes "
