@@ -1189,6 +1189,15 @@ def test_intermediate_grads_refuses_what_it_cannot_apply():
         with pytest.raises(ValueError, match=r"cs.patch never reached \['m/d9'\] in this "
                                              r"`loss_fn`.*Received: patches=\['m/d9'\]"):
             cs.intermediate_grads(model, fn, *args, select="*d1")
+    # Given a plain model around it: the same error, with no points of its own to list.
+    plain = keras.Sequential([model])
+    plain(X)
+    plain_fn, plain_args = _mse_fn(plain)
+    with cs.patch(model, {"m/d9": lambda value: value}):
+        with pytest.raises(ValueError, match=r"never reached \['m/d9'\] in this `loss_fn`: "
+                                             r"no layer or sown value that the call ran has "
+                                             r"that point\. Use `cs.points"):
+            cs.intermediate_grads(plain, plain_fn, *plain_args, select="*d1")
     # A capture would miss the call: it records calls, and this is not one.
     with cs.capture(model, "*") as captured:
         with pytest.raises(ValueError, match=r"A cs.capture of `m` is open around "

@@ -152,7 +152,7 @@ class CaptureMixin:
                     outputs = invoke()
                     sown = collector.finalize()
                 self._cs_note_points(collector, active, _scope.Later(hits := set()))
-            self._cs_check_reached(run, hits)
+            self._cs_check_reached(run.patches, run.method, hits)
             run.sink("call", sown)
         except BaseException as error:
             if landing is not None:
@@ -179,33 +179,39 @@ class CaptureMixin:
         _scope.join_after(_scope.Later(state.seen), _sorts(collector.tree, loops))
         _scope.join_after(_scope.Later(state.loops), collector.loops)
 
-    def _cs_check_reached(self, run, hits: set) -> None:
+    def _cs_check_reached(self, patches, method: str, hits: set) -> None:
         """A patch that this run's traces never reached is an error, at its end."""
-        missed = [(owner, point) for owner, point, _ in run.patches
-                  if (owner, point) not in hits]
-        if not missed:
-            return
-        known = self._cs_known_points()
-        points = [p for _, p in missed]
-        inside = {p: self._cs.loops[p] for p in points if p in self._cs.loops}
-        if inside:
-            raise _record.LoopPointError(_record.loop_message(*next(iter(inside.items()))))
-        near = sorted({n for p in points for n in difflib.get_close_matches(p, known, n=4,
-                                                                           cutoff=0.3)})
-        # `cs.points` lists each call of a shared layer as `point@i`, as captures
-        # key it; a patch names the point, and applies to every call of it.
-        calls = {p: p.rpartition("@")[0] for p in points if p.rpartition("@")[0] in known}
-        hint = (f" {sorted(calls)} name single calls of a point reached more than once "
-                "(a shared layer), as `cs.points` lists them; a patch applies to every "
-                f"call of its point: patch {sorted(set(calls.values()))} instead."
-                if calls else "")
-        raise ValueError(
-            f"cs.patch never reached {points} in this `{run.method}`: no layer or sown "
-            f"value that the call ran has that point.{hint} Nearest points: "
-            f"{near or known[:8]}. Use `cs.points(model, x)` to list them. "
-            f"Received: patches={[p for _, p, _ in run.patches]}"
-        )
+        check_reached(patches, method, hits, self._cs_known_points, self._cs.loops)
 
+
+def check_reached(patches, method: str, hits: set, known=list, loops=None) -> None:
+    """A patch of `patches` (`(owner, point, fn)`) that `method` never reached is
+    an error. `known()` lists the model's points for the hint, and `loops` the
+    points inside loops (a patch there cannot be applied)."""
+    missed = [(owner, point) for owner, point, _ in patches if (owner, point) not in hits]
+    if not missed:
+        return
+    known, loops = known(), loops or {}
+    points = [p for _, p in missed]
+    inside = {p: loops[p] for p in points if p in loops}
+    if inside:
+        raise _record.LoopPointError(_record.loop_message(*next(iter(inside.items()))))
+    near = sorted({n for p in points for n in difflib.get_close_matches(p, known, n=4,
+                                                                       cutoff=0.3)})
+    # `cs.points` lists each call of a shared layer as `point@i`, as captures
+    # key it; a patch names the point, and applies to every call of it.
+    calls = {p: p.rpartition("@")[0] for p in points if p.rpartition("@")[0] in known}
+    hint = (f" {sorted(calls)} name single calls of a point reached more than once "
+            "(a shared layer), as `cs.points` lists them; a patch applies to every "
+            f"call of its point: patch {sorted(set(calls.values()))} instead."
+            if calls else "")
+    nearest = f" Nearest points: {near or known[:8]}." if known else ""
+    raise ValueError(
+        f"cs.patch never reached {points} in this `{method}`: no layer or sown "
+        f"value that the call ran has that point.{hint}{nearest} Use "
+        f"`cs.points(model, x)` to list them. "
+        f"Received: patches={[p for _, p, _ in patches]}"
+    )
 
 def _sorts(tree, loops) -> dict[str, str]:
     """What each point of a trace's call tree is, for error messages (the kinds

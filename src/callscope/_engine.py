@@ -293,7 +293,8 @@ class Engine(CaptureMixin):
                     landing.end(error)
                 raise
             run.end()
-            self._cs_check_reached(run, entry.hits.get(CALL_KINDS[method], set()))
+            self._cs_check_reached(run.patches, run.method,
+                                   entry.hits.get(CALL_KINDS[method], set()))
             if run.offset is not None:
                 run.offset.check_end()
             return result

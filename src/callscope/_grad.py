@@ -19,12 +19,11 @@ from __future__ import annotations
 import contextlib
 import difflib
 from collections.abc import Callable
-from types import SimpleNamespace
 from typing import Any, NamedTuple
 
 import keras
 
-from callscope import _backend, _grads, _keras_compat, _record, _scope, _steps
+from callscope import _backend, _capturing, _grads, _keras_compat, _record, _scope, _steps
 from callscope._points import Spec, key_name, normalize_select, tree_points
 
 _BACKEND = keras.backend.backend()
@@ -140,14 +139,9 @@ def _open_patches(model) -> tuple:
 def _check_reached(model, patches, hits) -> None:
     """A patch that `loss_fn` never reached is an error, as in a call's run."""
     if hasattr(model, "_cs_check_reached"):
-        model._cs_check_reached(SimpleNamespace(patches=patches, method="loss_fn"), hits)
-        return
-    missed = [point for owner, point, _ in patches if (owner, point) not in hits]
-    if missed:
-        raise ValueError(
-            f"cs.patch never reached {missed} in this `loss_fn`: no layer or sown value "
-            "that it ran has that point. Use `cs.points(model, x)` to list them. "
-            f"Received: patches={[point for _, point, _ in patches]}")
+        model._cs_check_reached(patches, "loss_fn", hits)
+    else:  # (a plain model around callscope models: no points of its own to list)
+        _capturing.check_reached(patches, "loss_fn", hits)
 
 
 def check_scopes_applied(model) -> None:

@@ -47,6 +47,12 @@ def may_hold(wanted, given) -> bool:
     return kind(given) in held.get(kind(wanted), ())
 
 
+def cast_loss(wanted) -> str:
+    """How a cast to `wanted` that `may_hold` refuses would change a value, for
+    error messages."""
+    return "2.7 -> 2" if kind(wanted) == "int" else "2 -> True"
+
+
 def patch_name(owner: int, point: str, value: str) -> str:
     return f"patch|{owner}|{point}|{value}"
 

@@ -99,11 +99,10 @@ def _check_kind(point: str, given, wanted) -> None:
     if _inputs.may_hold(wanted, given):
         return
     given, wanted = (keras.backend.standardize_dtype(d) for d in (given, wanted))
-    example = "2.7 -> 2" if _inputs.kind(wanted) == "int" else "2 -> True"
     raise TypeError(
         f"The array patch of `{point}` holds {given} values, and the point's value is "
-        f"{wanted}: the cast would change them ({example}). Pass an array of the "
-        f"point's kind (e.g. `np.round(a).astype({wanted!r})`). Received: an array of "
+        f"{wanted}: the cast would change them ({_inputs.cast_loss(wanted)}). Pass an "
+        f"array of the point's kind (e.g. `np.round(a).astype({wanted!r})`). Received: an array of "
         f"dtype {given} for a point of dtype {wanted}"
     )
 

@@ -1413,7 +1413,7 @@ def _in_dtypes_of(name: str, out, value):
             raise TypeError(
                 f"The patch of `{name}` returned {got_dtype} values, and the point's value "
                 f"is {want_dtype}: casting them back would change them ("
-                f"{'2.7 -> 2' if _inputs.kind(want_dtype) == 'int' else '2 -> True'}), "
+                f"{_inputs.cast_loss(want_dtype)}), "
                 f"and the layers after it take {want_dtype}. Return the point's dtype "
                 f"(e.g. `keras.ops.cast(keras.ops.round(out), {want_dtype!r})`). Received: a "
                 f"value of dtype {got_dtype} for a point of dtype {want_dtype}")
