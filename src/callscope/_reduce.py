@@ -111,9 +111,10 @@ def check_stats(reduce) -> tuple[str, ...] | None:
 _EXACT_IN_FLOAT32 = 2**24
 
 
-def _counts_in_float32(x) -> bool:
-    """Whether the length of flat `x` is known, when traced, to be under 2**24."""
-    return x.shape[0] is not None and x.shape[0] < _EXACT_IN_FLOAT32
+def _counts_in_float32(length) -> bool:
+    """Whether counts over `length` elements (None: unknown when traced) are exact
+    as float32 sums."""
+    return length is not None and length < _EXACT_IN_FLOAT32
 
 
 def _count(mask):
@@ -123,7 +124,7 @@ def _count(mask):
     times as slowly, and a compiled step holds one per count per point (the
     statistics of 60 tensors under `reduce=("mean", "std", "min", "max",
     "frac_zero", "nan_count", "inf_count")` compiled in 10.2 s, against 13.0)."""
-    if _counts_in_float32(mask):
+    if _counts_in_float32(mask.shape[0]):
         return ops.sum(ops.cast(mask, "float32"))
     return ops.cast(ops.sum(ops.cast(mask, "int32")), "float32")
 
@@ -447,7 +448,7 @@ def _finite_partials(x, sums, needed, bins, hist_range, scale=None, moments=None
         out["max"] = ops.max(x)
     if "absmax" in needed:
         out["absmax"] = ops.max(ops.abs(x))
-    if "nzero" in needed and _counts_in_float32(x):
+    if "nzero" in needed and _counts_in_float32(x.shape[0]):
         # sign(x)**2 is 1 for a non-zero x, 0 for zero: a count without a compare.
         out["nzero"] = size - _sum_of_squares(ops.sign(x))
     elif "nzero" in needed:
@@ -463,7 +464,7 @@ def _finite_partials(x, sums, needed, bins, hist_range, scale=None, moments=None
 def _bin_counts(x, bins, hist_range, finite=None):
     """The histogram of flat `x` (of its `finite` elements, where given), as
     float32 counts, summed as `_count` sums."""
-    dtype = "float32" if _counts_in_float32(x) else "int32"
+    dtype = "float32" if _counts_in_float32(x.shape[0]) else "int32"
     lo, width = _lo_width(hist_range, bins)
     index = ops.clip(ops.floor((x - lo) / width), 0, bins - 1)
     hot = ops.one_hot(ops.cast(index, "int32"), bins, dtype=dtype)
@@ -745,7 +746,7 @@ def _torch_partials(value, stats, bins, hist_range):
         bad = (x - x) != 0  # NaN - NaN and inf - inf are NaN; NaN != 0
 
         def count(mask):  # as `_count`: float32 sums where they are exact
-            return mask.sum(dtype=f32) if size < _EXACT_IN_FLOAT32 else mask.sum()
+            return mask.sum(dtype=f32) if _counts_in_float32(size) else mask.sum()
 
         if needed.intersection(_FINITE_ONLY + ("ninf",)):
             nbad = count(bad)
@@ -792,7 +793,7 @@ def _torch_partials(value, stats, bins, hist_range):
                     found = masked.min() if name == "min" else masked.max()
                 names.append(name), scalars.append(found)
         if "nzero" in needed:  # the finite zeros: n less xf's non-zeros
-            zeros = (n - _torch_nonzero(xf) if size < _EXACT_IN_FLOAT32
+            zeros = (n - _torch_nonzero(xf) if _counts_in_float32(size)
                      else (x == 0).sum().to(f32))  # (NaN and inf are never 0)
             names.append("nzero"), scalars.append(zeros)
         if "nnan" in needed or "ninf" in needed:
@@ -901,7 +902,7 @@ def _torch_finite_partials(x, total, squares, needed, bins, hist_range):
         low, high = (v.item() for v in torch.aminmax(x))
         host.update(min=low, max=high, absmax=max(-low, high))
     if "nzero" in needed:
-        host["nzero"] = (size - _torch_nonzero(x).item() if size < _EXACT_IN_FLOAT32
+        host["nzero"] = (size - _torch_nonzero(x).item() if _counts_in_float32(size)
                          else (x == 0).sum().item())
     names = _scalar_names(needed)
     out = {}
