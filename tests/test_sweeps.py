@@ -188,6 +188,36 @@ def test_values_reach_a_patch_that_takes_the_batch_and_an_eager_call():
     np.testing.assert_allclose(eager, _reference(model, zeroed), rtol=1e-5, atol=1e-5)
 
 
+def _times(h, values):
+    return h * values["s"]
+
+
+def _ops_times(h, values):
+    return keras.ops.multiply(h, values["s"])
+
+
+def test_int_values_at_a_float_point():
+    """`h * values["s"]` with s=2, held as int32: JAX and torch promote; TensorFlow
+    refuses, and says which values and how to fix it, compiled and eager."""
+    model = _model()
+    doubled = _reference(model, _block(model, X) * 2.0)
+    for call in (lambda: model.predict(X, verbose=0), lambda: numpy(model(X))):
+        with cs.patch(model, {"net/block": _times}, values={"s": 2}):
+            if BACKEND == "tensorflow":
+                with pytest.raises(TypeError, match=r"(?s)The patch of `net/block` raised .*"
+                                                    r"does not promote.*keras.ops.multiply.*"
+                                                    r"Received: values with dtypes "
+                                                    r"\{'s': 'int32'\}"):
+                    call()
+            else:
+                np.testing.assert_allclose(call(), doubled, rtol=1e-5, atol=1e-5)
+        with cs.patch(model, {"net/block": _ops_times}, values={"s": 2}):
+            np.testing.assert_allclose(call(), doubled, rtol=1e-5, atol=1e-5)
+    # Nothing stays: unpatched again.
+    np.testing.assert_allclose(model.predict(X, verbose=0), _reference(model, _block(model, X)),
+                               rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("method", ["predict", "evaluate"])
 def test_histogram_ranges_found_from_first_batches_share_one_compile(method):
     model = _model()

@@ -44,6 +44,7 @@ OUTPUTS = "__callscope_outputs__"
 ROWS = "__callscope_rows__"  # a step's batch size, for patches that take the batch
 LOOP = object()  # the tree's value for a point inside a loop
 _TORCH = keras.backend.backend() == "torch"
+_TF = keras.backend.backend() == "tensorflow"
 
 
 class _Active(threading.local):
@@ -1355,9 +1356,10 @@ class Patches:
                 return ops.moveaxis(out, 0, batch_axis)
             rows = value.shape[0] if value.shape[0] is not None else ops.shape(value)[0]
             batch = Batch(ops.cast(self.offset.value, "int32"), rows)
-            out = fn(value, batch) if dynamic is None else fn(value, batch, dynamic)
+            out = fn(value, batch) if dynamic is None else _with_values(fn, name, value,
+                                                                        batch, dynamic)
         elif dynamic is not None:
-            out = fn(value, None, dynamic)
+            out = _with_values(fn, name, value, None, dynamic)
         else:
             out = fn(value)
         rows = (" It took the value's first axis as the batch's rows: a value whose rows "
@@ -1384,6 +1386,29 @@ class Patches:
             return {n: ops.convert_to_tensor(a) for n, a in arrays.items()}
         return {n: self.inputs.get(_inputs.patch_name(owner, name, n), a.shape, a.dtype)
                 for n, a in arrays.items()}
+
+
+def _with_values(fn, name: str, value, batch, values: dict):
+    """`fn(value, batch, values)`. TensorFlow's arithmetic refuses tensors of two
+    dtypes where JAX and torch promote (`value * values["s"]` with `s=2` held as
+    int32 at a float32 point): its error then names the values and the fix."""
+    try:
+        return fn(value, batch, values)
+    except Exception as error:
+        want = getattr(value, "dtype", None)
+        other = {n: keras.backend.standardize_dtype(v.dtype) for n, v in values.items()
+                 if want is not None and _inputs.kind(v.dtype) != _inputs.kind(want)}
+        if not (_TF and other):
+            raise
+        # (A new error: Keras's layer call makes its own of the same class, and
+        # drops notes; TF's own classes cannot be made from a message.)
+        raise TypeError(
+            f"The patch of `{name}` raised {type(error).__name__}: {error}\nIt was given "
+            f"values of dtypes {other}, and the point's value is "
+            f"{keras.backend.standardize_dtype(want)}: TensorFlow does not promote "
+            "dtypes in arithmetic. Use keras.ops (`keras.ops.multiply(value, s)`), cast "
+            "(`keras.ops.cast(s, value.dtype)`), or pass floats (2.0, not 2). Received: "
+            f"values with dtypes {other}") from error
 
 
 def active_patches() -> Patches | None:
