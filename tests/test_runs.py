@@ -708,6 +708,61 @@ def test_a_pinned_kwarg_behaves_as_stock():
     np.testing.assert_allclose(model.predict(x, foo_mode=False, verbose=0), expected)
 
 
+@cs.context_args("mode")
+class Tag(keras.layers.Layer):
+    """Outputs the value it got: 0 for None, 1 for True, 2 for False."""
+
+    def call(self, x, mode=None):
+        return x * 0.0 + {None: 0.0, True: 1.0, False: 2.0}[mode]
+
+
+@cs.context_args("mode")
+class TagOn(Tag):
+    def call(self, x, mode=True):  # a non-None default: the layer's own
+        return super().call(x, mode)
+
+
+class PinsFirst(cs.Model):
+    """Passes a value to its first sublayers by hand; the ones after get the call's."""
+
+    def __init__(self):
+        super().__init__()
+        self.pinned, self.after = Tag(), Tag()
+        self.inner = cs.Sequential([Tag()])
+        self.inner.register_context_args("mode")
+        self.defaulted, self.last = TagOn(), Tag()
+        self.register_context_args("mode")
+
+    def call(self, x):
+        return [self.pinned(x, mode=True), self.inner(x, mode=True), self.defaulted(x),
+                self.after(x), self.last(x)]
+
+
+def _tags(outputs):
+    return [float(np.unique(numpy(o))[0]) for o in outputs]
+
+
+def test_a_value_a_layer_takes_stays_with_that_layer():
+    """Keras's `Layer.__call__` keeps a nested layer's value in the call context the
+    whole call shares: its siblings inherited a pinned value or a default."""
+    inputs = keras.Input((3,))
+    free, pinned = Tag(name="free")(inputs), Tag(name="pinned")(inputs, mode=True)
+    functional = cs.Model(inputs, [free, pinned])  # the pinned node runs first
+    functional.register_context_args("mode")
+    subclassed = PinsFirst()
+    x = np.ones((2, 3), "float32")
+    # (What each output got, with the call's value False, and with none.)
+    for model, given, unset in ((functional, [2.0, 1.0], [0.0, 1.0]),
+                                (subclassed, [1.0, 1.0, 2.0, 2.0, 2.0],
+                                 [1.0, 1.0, 1.0, 0.0, 0.0])):
+        assert _tags(model(x, mode=False)) == given
+        assert _tags(model(x)) == unset
+        assert _tags(model.predict(x, mode=False, verbose=0)) == given
+        with cs.context(mode=False):
+            assert _tags(model.predict(x, verbose=0)) == given
+        assert _tags(model.predict(x, verbose=0)) == unset
+
+
 # --------------------------------------------------------------------------
 # Stress: 4 threads x 50 calls
 # --------------------------------------------------------------------------

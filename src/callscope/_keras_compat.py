@@ -279,12 +279,40 @@ def compile_from_config(model, config, own_compile):
         model.optimizer.build(model.trainable_variables)
 
 
+def current_call_context():
+    """Keras's call context in progress, or None outside any layer's call
+    (keras 3.15.1: layers/layer.py:1691-1701; `current_call_ctx`)."""
+    return _global_state.get_global_attribute("current_call_ctx")
+
+
+@contextlib.contextmanager
+def restored_call_context(names):
+    """Puts back, after a nested layer's call, the values the call context held
+    for `names`. Keras's `Layer.__call__` stores the value it resolved for the
+    layer (one passed to it, or its `call` signature's default) in the context it
+    shares with the whole outer call, and never restores it: every layer called
+    after it inherited that value, not the caller's (a value pinned on one node of
+    a Functional graph reached its siblings). The entry layer's call makes and
+    resets a context of its own: nothing to do (keras 3.15.1:
+    layers/layer.py:1065-1086, 1703-1709)."""
+    context = current_call_context()
+    if context is None:
+        yield
+        return
+    saved = [(name, context.get_value(name)) for name in names]
+    try:
+        yield
+    finally:
+        for name, value in saved:
+            context.set_value(name, value)
+
+
 def call_context_value(name: str):
     """The value Keras's call context in progress holds for context argument
     `name` (what an enclosing layer's call passed, and `Layer.__call__` gives a
     layer that registered the name), or None; enters no context (keras 3.15.1:
     layers/layer.py:1691-1701, 1065-1086; `current_call_ctx`)."""
-    context = _global_state.get_global_attribute("current_call_ctx")
+    context = current_call_context()
     return None if context is None else context.get_value(name)
 
 

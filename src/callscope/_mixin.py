@@ -193,7 +193,8 @@ class ContextMixin(Engine, _keras_compat.LossHook, *_JAX_HOOKS):
             given = self._cs_split("__call__", kwargs, allowed)
             values = self._cs_resolve(given, tracing=tracing)
             frame = _scope.overlay({**dict.fromkeys(state.names), **values}, keyed=True)
-            with _scope.pushed(frame):
+            # (A value given to this model, nested, is its own: not its siblings'.)
+            with _scope.pushed(frame), _keras_compat.restored_call_context(state.names):
                 kwargs.update({n: _delivered(v, n in state.dynamic) for n, v in values.items()})
                 return super().__call__(*args, **kwargs)
         finally:

@@ -257,10 +257,13 @@ def _checks_passed(original_call):
 
     @functools.wraps(original_call)
     def __call__(self, *args, **kwargs):
+        declared = type(self)._callscope_context_args
         if _scope.has_values():
-            names = [n for n in type(self)._callscope_context_args if n not in kwargs]
-            _add_keyed_values(self, names, args, kwargs)
-        return original_call(self, *args, **kwargs)
+            _add_keyed_values(self, [n for n in declared if n not in kwargs], args, kwargs)
+        # The value this layer takes (pinned, or its default) is its own, not its
+        # siblings'.
+        with _keras_compat.restored_call_context(declared):
+            return original_call(self, *args, **kwargs)
 
     __call__._checks_passed = True
     return __call__
