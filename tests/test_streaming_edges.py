@@ -1,10 +1,13 @@
 """Streamed captures (`to=`) at their edges: what a capture reads is what its own
 call wrote, or a clear error. Values against a stock Keras sub-model or numpy."""
 
+import contextlib
 import contextvars
 import errno
 import io
 import os
+import resource
+import signal
 import threading
 
 import keras
@@ -244,6 +247,52 @@ def test_a_scope_that_wrote_nothing_leaves_its_directory_as_it_found_it(tmp_path
         model.predict(X, verbose=0)
     np.testing.assert_allclose(cs.load_capture(target)["m/d1:output"],
                                _stock(model, "d1", X), rtol=1e-5)
+
+
+@contextlib.contextmanager
+def _files_up_to(size):
+    """The process may write files of at most `size` bytes (`RLIMIT_FSIZE`): a
+    longer write fails with EFBIG, as a full disk's with ENOSPC."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # (else it kills)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (size, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, handler)
+
+
+def test_an_index_that_cannot_be_written_says_what_is_still_readable(tmp_path):
+    """A full disk failed the writer, then the index: a bare OSError, an empty
+    `index.json.tmp`, and no word on the rows already on disk; a scope opened on
+    a full disk left `owner.json.tmp` in the directory it made."""
+    model = _model()
+    target = tmp_path / "caps"
+    with _files_up_to(10):  # not even the owner's 34 bytes
+        with pytest.raises(OSError, match="File too large"):
+            with cs.capture(model, "m/d1", to=target):
+                pass
+    assert not target.exists()
+    with _files_up_to(100):  # 6 of the 10 rows of 16 bytes, and no index
+        with pytest.raises(_writer.WriteError) as raised:
+            with cs.capture(model, "m/d1", to=target) as cap:
+                model.predict(X, batch_size=2, verbose=0)
+    message = str(raised.value)
+    assert "could not write its index (`index.json`): [Errno 27] File too large (after " \
+        "the WriteError above). The rows on disk of ['m/d1:output'] are read through " \
+        "this scope's capture" in message and f"Received: to={str(target)!r}" in message
+    chain, error = [], raised.value
+    while error is not None:
+        chain.append(str(error))
+        error = error.__context__
+    assert any("could not write its files" in m for m in chain), chain  # the first error
+    assert sorted(os.listdir(target)) == ["call_000", "owner.json"]
+    rows = cap["m/d1:output"]
+    assert len(rows) == 6 and os.path.getsize(target / "call_000" / "0000.bin") == 100
+    np.testing.assert_allclose(rows, _stock(model, "d1", X)[:6], rtol=1e-5)
+    with pytest.raises(FileNotFoundError, match="holds no capture index"):
+        cs.load_capture(target)
 
 
 def test_a_call_that_waits_for_the_closing_thread_does_not_hang_its_exit(tmp_path,

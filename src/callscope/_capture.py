@@ -12,6 +12,7 @@ callbacks and the progress bar are unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import json
 import os
@@ -25,6 +26,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 
 from callscope import _backend, _reduce, _scope, _sinks
+from callscope._writer import WriteError
 from callscope._points import KINDS, Ranges, Spec, normalize_select
 
 WAIT_S = 10.0  # how long a scope's exit waits for its calls in other threads
@@ -265,7 +267,11 @@ class Capture(Mapping):
         # not the later capture's files, which reuse the same names.
         owner = os.path.join(self._dir, _sinks.OWNER)
         if first:
-            _write_json(owner, uuid.uuid4().hex)
+            try:
+                _write_json(owner, uuid.uuid4().hex)
+            except OSError:  # (a full disk) the directory as it was found
+                self._leave_directory()
+                raise
         _backend.barrier(f"callscope-capture-owner:{self._dir}")
         self._id = _sinks.owner_of(self._dir)
 
@@ -294,7 +300,7 @@ class Capture(Mapping):
                         and one_process and not any(c._files for c in self.calls)):
                     self._leave_directory()  # as found: the same `to=` works next time
                 else:
-                    self._write_index(complete=exc_type is None)
+                    self._write_index_or_say(exc)
                 # A call still running writes it again when it ends, and lets the
                 # directory go then.
                 late = self._late = (self._dir is not None and one_process
@@ -311,6 +317,21 @@ class Capture(Mapping):
         empty_directory(self._dir)
         if self._made:
             os.rmdir(self._dir)
+
+    def _write_index_or_say(self, exc) -> None:
+        """Writes the index at the scope's end. Where it cannot (the disk the
+        writer filled), the error says what is still readable, and how."""
+        try:
+            self._write_index(complete=exc is None)
+        except OSError as error:
+            keys = sorted({key for call in self.calls for key in call.files()})
+            raise WriteError(
+                f"cs.capture(to=...) could not write its index (`index.json`): {error}"
+                f"{f' (after the {type(exc).__name__} above)' if exc is not None else ''}. "
+                f"The rows on disk of {keys} are read through this scope's capture, in "
+                "this process only: `cs.load_capture` needs the index. Copy what you need "
+                "out (`np.save`), free space on the disk, and run the call again. "
+                f"Received: to={self._dir!r}") from error
 
     def _write_index(self, complete: bool = True) -> None:
         if self._dir is None:
@@ -407,8 +428,13 @@ def empty_directory(path: str) -> None:
 
 
 def _write_json(path: str, value) -> None:
-    with open(path + ".tmp", "w") as f:
-        json.dump(value, f, indent=1)
+    try:
+        with open(path + ".tmp", "w") as f:
+            json.dump(value, f, indent=1)
+    except BaseException:  # (a full disk: no half file left behind)
+        with contextlib.suppress(OSError):
+            os.remove(path + ".tmp")
+        raise
     os.replace(path + ".tmp", path)  # a reader never sees half an index
 
 
