@@ -62,8 +62,9 @@ def step_with_grads(model, kind, step, args, kwargs, collector):
         raise ValueError(
             f"cs.capture(kinds=('grad',)) on JAX differentiates through callscope's own "
             f"copy of Keras's {kind}_step, and `{type(model).__name__}` overrides "
-            f"`{kind}_step`. Inside your own stateless step, use "
-            "`cs.intermediate_grads(model, loss_fn, ...)`. Received: a custom "
+            f"`{kind}_step`. Capture the other kinds, and take d loss / d point inside "
+            "your own stateless step with `cs.intermediate_grads(model, loss_fn, ...)` "
+            "(its points go in that call's result). Received: a custom "
             f"{kind}_step"
         )
 
