@@ -263,6 +263,19 @@ def test_a_point_called_twice_gets_at_indices():
                        r"\['twice/shared'\] instead\."):
         with cs.patch(model, {"twice/shared@0": lambda v: v}):
             model.predict(X, verbose=0)
+    # So does a capture's list with a glob that matched nothing (it was left out
+    # in silence), and the other globs are captured.
+    with pytest.raises(ValueError, match=r"cs.capture: \['twice/shared@1', 'twice/sharde'\] "
+                       r"of the globs in `select` matched no point that a call in this "
+                       r"scope ran. \['twice/shared@1'\] name single calls .*select the "
+                       r"point \(\['twice/shared'\]\).*Nearest points: .*'twice/shared'.*"
+                       r"Received: select=\['twice/shared@1', 'twice/sharde', 'twice'\]"):
+        with cs.capture(model, ["twice/shared@1", "twice/sharde", "twice"]) as cap:
+            model.predict(X, verbose=0)
+    assert sorted(cap) == ["twice:output"]
+    with cs.capture(model, ["twice/shared", "twice/s*"]) as cap:
+        model.predict(X, verbose=0)
+    np.testing.assert_allclose(cap["twice/shared@1:output"], (X @ w + b) @ w + b, rtol=1e-5)
 
 
 def test_select_callable_and_no_match_error():

@@ -77,6 +77,8 @@ def test_registration_errors():
         model.register_context_args("training")
     with pytest.raises(ValueError, match="identifiers"):
         model.register_context_args("not a name")
+    with pytest.raises(ValueError, match="propagated by Keras.*Received: name='training'"):
+        cs.context_args("training")  # (its value would be kept from the layers after it)
     model.register_context_args("mode")
     with pytest.raises(ValueError, match="already registered as static"):
         model.register_context_args("mode", dynamic=True)

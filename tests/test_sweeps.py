@@ -196,6 +196,14 @@ def _ops_times(h, values):
     return keras.ops.multiply(h, values["s"])
 
 
+def _misspelled(h, values):
+    return h * values["scale"]
+
+
+def _refuses(h, values):
+    raise ValueError("my own check failed")
+
+
 def test_int_values_at_a_float_point():
     """`h * values["s"]` with s=2, held as int32: JAX and torch promote; TensorFlow
     refuses, and says which values and how to fix it, compiled and eager."""
@@ -213,6 +221,13 @@ def test_int_values_at_a_float_point():
                 np.testing.assert_allclose(call(), doubled, rtol=1e-5, atol=1e-5)
         with cs.patch(model, {"net/block": _ops_times}, values={"s": 2}):
             np.testing.assert_allclose(call(), doubled, rtol=1e-5, atol=1e-5)
+        # The patch's own errors stay its own, whatever the values' dtypes.
+        with cs.patch(model, {"net/block": _misspelled}, values={"s": 2}):
+            with pytest.raises(KeyError, match="scale"):
+                call()
+        with cs.patch(model, {"net/block": _refuses}, values={"s": 2}):
+            with pytest.raises(ValueError, match="my own check"):
+                call()
     # Nothing stays: unpatched again.
     np.testing.assert_allclose(model.predict(X, verbose=0), _reference(model, _block(model, X)),
                                rtol=1e-5, atol=1e-5)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import fnmatch
 import json
 import os
 import shutil
@@ -276,7 +277,7 @@ class Capture(Mapping):
         self._id = _sinks.owner_of(self._dir)
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        late = False
+        late = whole = False
         try:
             _scope.exit_capture(self._token)
             with self._lock:
@@ -296,20 +297,25 @@ class Capture(Mapping):
                     f"call(s) running after WAIT_S={WAIT_S:g} s", stacklevel=2)
             nothing = whole and bool(self.calls) and not any(len(c) for c in self.calls)
             with self._lock:  # (the late calls' `_call_finished` waits for this)
-                if (self._dir is not None and (exc_type is not None or nothing) and whole
-                        and one_process and not any(c._files for c in self.calls)):
-                    self._leave_directory()  # as found: the same `to=` works next time
-                else:
-                    self._write_index_or_say(exc)
-                # A call still running writes it again when it ends, and lets the
-                # directory go then.
-                late = self._late = (self._dir is not None and one_process
-                                     and bool(self._running(False)))
+                try:
+                    if (self._dir is not None and (exc_type is not None or nothing)
+                            and whole and one_process
+                            and not any(c._files for c in self.calls)):
+                        self._leave_directory()  # as found: the same `to=` works next time
+                    else:
+                        self._write_index_or_say(exc)
+                finally:  # (also where the index could not be written)
+                    # A call still running writes it again when it ends, and lets the
+                    # directory go then.
+                    late = self._late = (self._dir is not None and one_process
+                                         and bool(self._running(False)))
         finally:
             if self._claim is not None and not late:
                 _claimed.release(self._claim)
         if exc_type is None and nothing:
             raise ValueError(self._nothing_matched())
+        if exc_type is None and whole and self.calls:
+            self._check_each_glob_matched()
 
     def _leave_directory(self) -> None:
         """A scope that raised, or selected nothing, before writing any file leaves
@@ -353,6 +359,30 @@ class Capture(Mapping):
                 for k in range(processes):
                     os.remove(os.path.join(self._dir, f"index.p{k}.json"))
             _backend.barrier(f"callscope-capture-index:{self._dir}")
+
+    def _check_each_glob_matched(self) -> None:
+        """A glob of a list that matched no point the scope's calls ran (a typo, or
+        a shared layer's single call) is an error, not left out in silence."""
+        wanted = self.spec.select
+        if callable(wanted) or wanted is None or len(wanted) < 2:
+            return  # (a single glob that matched nothing: `_nothing_matched`)
+        ran = list(self.model._cs.seen)
+        unmatched = [glob for glob in wanted
+                     if not any(fnmatch.fnmatchcase(point, glob) for point in ran)]
+        if not unmatched:
+            return
+        calls = {g: g.rpartition("@")[0] for g in unmatched if g.rpartition("@")[0] in ran}
+        hint = (f" {sorted(calls)} name single calls of a point that runs more than "
+                "once (a shared layer), as `cs.points` lists them: select the point "
+                f"({sorted(set(calls.values()))}), whose keys are `<point>@0:output`, "
+                "`<point>@1:output`, ..." if calls else "")
+        near = sorted({n for g in unmatched
+                       for n in difflib.get_close_matches(g, ran, n=4, cutoff=0.3)})
+        raise ValueError(
+            f"cs.capture: {unmatched} of the globs in `select` matched no point that a "
+            f"call in this scope ran.{hint} Nearest points: {near or ran[:8]}. The "
+            "other globs' values were captured. Use `cs.points(model, x)` to list "
+            f"every point. Received: select={list(wanted)!r}")
 
     def _nothing_matched(self) -> str:
         points = self.model._cs_known_points()

@@ -50,6 +50,12 @@ def intermediate_grads(
         select: as in `cs.capture`: globs or `(point, layer) -> bool`; by default
             every sown point.
 
+    Returns:
+        `IntermediateGrads(loss, aux, grads, outputs)`: the loss as `loss_fn`
+        returned it (on torch it keeps its graph, so `result.loss.backward()` still
+        trains the weights; `.detach()` it to read it), and `grads` and `outputs`
+        keyed `point:grad` and `point:output`, without a graph.
+
     Raises:
         ValueError: `select` matched no point that `loss_fn` ran through.
 

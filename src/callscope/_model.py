@@ -216,6 +216,12 @@ def context_args(*names: str):
                 "`@cs.context_args` takes keyword names as strings. "
                 f"Received: {name!r}"
             )
+        if name == "training":  # (as `register_context_args`)
+            raise ValueError(
+                "`training` is already propagated by Keras and cannot be declared as a "
+                "context argument: take `training=None` in `call`. Received: "
+                "name='training'"
+            )
 
     def decorate(cls):
         if not (isinstance(cls, type) and issubclass(cls, keras.layers.Layer)):
