@@ -1184,6 +1184,21 @@ def test_intermediate_grads_applies_an_open_patch_scope():
     np.testing.assert_allclose(_one(again.grads, "d1:grad"), ref["d1"], rtol=1e-5, atol=1e-7)
 
 
+def test_intermediate_grads_refuses_a_glob_of_a_list_that_matched_nothing():
+    model = _model()
+    fn, args = _mse_fn(model)
+    with pytest.raises(ValueError, match=r"cs.intermediate_grads: \['\*d9'\] of the globs in "
+                                         r"`select` matched no point that `loss_fn` ran "
+                                         r"through. Nearest points: .*the other globs' "
+                                         r"gradients were taken.*Received: select="
+                                         r"\['\*d1', '\*d9'\]"):
+        cs.intermediate_grads(model, fn, *args, select=["*d1", "*d9"])
+    result = cs.intermediate_grads(model, fn, *args, select=["*d1", "m/d*"])
+    assert sorted(result.grads) == ["m/d1:grad", "m/d2:grad"]
+    np.testing.assert_allclose(_one(result.grads, "d1:grad"), _reference(model)["d1"],
+                               rtol=1e-5, atol=1e-7)
+
+
 def test_intermediate_grads_refuses_what_it_cannot_apply():
     model = _model()
     fn, args = _mse_fn(model)

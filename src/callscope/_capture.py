@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import difflib
-import fnmatch
 import json
 import os
 import shutil
@@ -28,7 +27,7 @@ import numpy as np
 
 from callscope import _backend, _reduce, _scope, _sinks
 from callscope._writer import WriteError
-from callscope._points import KINDS, Ranges, Spec, normalize_select
+from callscope._points import KINDS, Ranges, Spec, normalize_select, unmatched_globs
 
 WAIT_S = 10.0  # how long a scope's exit waits for its calls in other threads
 
@@ -361,28 +360,12 @@ class Capture(Mapping):
             _backend.barrier(f"callscope-capture-index:{self._dir}")
 
     def _check_each_glob_matched(self) -> None:
-        """A glob of a list that matched no point the scope's calls ran (a typo, or
-        a shared layer's single call) is an error, not left out in silence."""
-        wanted = self.spec.select
-        if callable(wanted) or wanted is None or len(wanted) < 2:
-            return  # (a single glob that matched nothing: `_nothing_matched`)
-        ran = list(self.model._cs.seen)
-        unmatched = [glob for glob in wanted
-                     if not any(fnmatch.fnmatchcase(point, glob) for point in ran)]
-        if not unmatched:
-            return
-        calls = {g: g.rpartition("@")[0] for g in unmatched if g.rpartition("@")[0] in ran}
-        hint = (f" {sorted(calls)} name single calls of a point that runs more than "
-                "once (a shared layer), as `cs.points` lists them: select the point "
-                f"({sorted(set(calls.values()))}), whose keys are `<point>@0:output`, "
-                "`<point>@1:output`, ..." if calls else "")
-        near = sorted({n for g in unmatched
-                       for n in difflib.get_close_matches(g, ran, n=4, cutoff=0.3)})
-        raise ValueError(
-            f"cs.capture: {unmatched} of the globs in `select` matched no point that a "
-            f"call in this scope ran.{hint} Nearest points: {near or ran[:8]}. The "
-            "other globs' values were captured. Use `cs.points(model, x)` to list "
-            f"every point. Received: select={list(wanted)!r}")
+        """A glob of a list that matched no point the scope's calls ran is an error."""
+        message = unmatched_globs(self.spec.select, list(self.model._cs.seen),
+                                  "cs.capture", "that a call in this scope ran",
+                                  "the other globs' values were captured")
+        if message:
+            raise ValueError(message)
 
     def _nothing_matched(self) -> str:
         points = self.model._cs_known_points()

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 import keras
 
 from callscope import _backend, _capturing, _grads, _keras_compat, _record, _scope, _steps
-from callscope._points import Spec, key_name, normalize_select, tree_points
+from callscope._points import Spec, key_name, normalize_select, tree_points, unmatched_globs
 
 _BACKEND = keras.backend.backend()
 
@@ -132,6 +132,11 @@ def intermediate_grads(
     grads = _named(records, "grad")
     if not grads:
         raise ValueError(_nothing_selected(model, spec, collector))
+    message = unmatched_globs(spec.select, list(dict.fromkeys(e[1] for e in collector.tree)),
+                              "cs.intermediate_grads", "that `loss_fn` ran through",
+                              "the other globs' gradients were taken")
+    if message:
+        raise ValueError(message)
     loss, aux = (result[0], result[1]) if isinstance(result, tuple) else (result, None)
     return IntermediateGrads(loss, aux, grads, _named(records, "output"))
 

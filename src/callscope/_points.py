@@ -13,6 +13,7 @@ that keys or globs use is percent-encoded in its point (`escaped`).
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import re
 from collections.abc import Callable
@@ -106,6 +107,29 @@ def normalize_select(select) -> tuple[str, ...] | Callable | None:
                 f"bool. Received: select={select!r}"
             )
     return select
+
+
+def unmatched_globs(select, ran: list[str], who: str, where: str, rest: str) -> str | None:
+    """The error for the globs of a list `select` that match none of the points
+    `ran` (a typo; a shared layer's `point@1`, which names one of its calls), or
+    None. Left out, they were lost in silence. (A single glob that matches
+    nothing is the caller's "selected nothing" error.)"""
+    if callable(select) or select is None or len(select) < 2:
+        return None
+    unmatched = [glob for glob in select
+                 if not any(fnmatch.fnmatchcase(point, glob) for point in ran)]
+    if not unmatched:
+        return None
+    calls = {g: g.rpartition("@")[0] for g in unmatched if g.rpartition("@")[0] in ran}
+    hint = (f" {sorted(calls)} name single calls of a point that runs more than once (a "
+            "shared layer), as `cs.points` lists them: select the point "
+            f"({sorted(set(calls.values()))}), whose keys are `<point>@0:...`, "
+            "`<point>@1:...`." if calls else "")
+    near = sorted({n for g in unmatched
+                   for n in difflib.get_close_matches(g, ran, n=4, cutoff=0.3)})
+    return (f"{who}: {unmatched} of the globs in `select` matched no point {where}.{hint} "
+            f"Nearest points: {near or ran[:8]}; {rest}. Use `cs.points(model, x)` to "
+            f"list every point. Received: select={list(select)!r}")
 
 
 CALL_KINDS = {"fit": "train", "train_on_batch": "train", "evaluate": "test",
