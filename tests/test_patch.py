@@ -217,6 +217,22 @@ def test_a_patch_function_returns_values_in_the_points_dtype(jit_compile):
     np.testing.assert_allclose(halves, half @ w + b, rtol=1e-5, atol=1e-5)
 
 
+def test_a_batch_patch_needs_one_batch_per_step():
+    model = _model(False)
+    model.compile(optimizer="sgd", loss="mse", steps_per_execution=2)
+    with cs.patch(model, {"tiny/b0": np.zeros((len(CLEAN), 8), "float32")}):
+        with pytest.raises(ValueError, match=r"needs one batch per compiled step on one "
+                                             r"replica, to know each batch's rows: compile "
+                                             r"with steps_per_execution=1 \(not 2\)\. "
+                                             r"Received: steps_per_execution=2, replicas=1"):
+            model.predict(CLEAN, batch_size=2, verbose=0)
+    model.compile(optimizer="sgd", loss="mse")
+    with cs.patch(model, {"tiny/b0": np.zeros((len(CLEAN), 8), "float32")}):
+        patched = model.predict(CLEAN, batch_size=2, verbose=0)
+    with cs.patch(model, {"tiny/b0": keras.ops.zeros_like}):
+        np.testing.assert_allclose(patched, model.predict(CLEAN, verbose=0), rtol=1e-6)
+
+
 def test_a_batch_patch_in_a_direct_call_names_the_methods_that_give_the_batch():
     model = _model(False)
     with cs.patch(model, {"tiny/b0": lambda value, batch: value}):

@@ -317,11 +317,13 @@ class Engine(CaptureMixin):
         steps = getattr(self, "steps_per_execution", 1) or 1
         replicas = _keras_compat.replicas(self)
         if steps > 1 or replicas > 1:
+            fix = " and ".join(
+                ([f"compile with steps_per_execution=1 (not {steps})"] if steps > 1 else [])
+                + ([f"run outside the {replicas}-replica strategy"] if replicas > 1 else []))
             raise ValueError(
                 "A patch that takes the batch (`fn(value, batch)` or an array) needs "
-                "one batch per compiled step on one replica, to know each batch's rows. "
-                "Compile with steps_per_execution=1 and run outside a multi-replica "
-                f"strategy. Received: steps_per_execution={steps}, replicas={replicas}"
+                "one batch per compiled step on one replica, to know each batch's rows: "
+                f"{fix}. Received: steps_per_execution={steps}, replicas={replicas}"
             )
         state = self._cs
         with state.lock:
