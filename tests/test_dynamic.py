@@ -126,3 +126,49 @@ def test_a_dynamic_int_out_of_range_of_the_same_width_is_refused():
         model.predict(X, temperature=np.int8(-1), verbose=0)
     np.testing.assert_allclose(model.predict(X, temperature=np.int8(5), verbose=0), base / 5,
                                rtol=1e-6)
+
+
+@cs.context_args("temperature")
+class SeenTemperature(keras.layers.Layer):
+    """Multiplies by the value, noting its dtype."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dtypes = []
+
+    def call(self, x, temperature=None):
+        self.dtypes.append(keras.backend.standardize_dtype(temperature.dtype))
+        return x * temperature
+
+
+class MixedNet(cs.Model):
+    def __init__(self):
+        super().__init__()
+        self.dense, self.seen = keras.layers.Dense(3, kernel_initializer="ones"), SeenTemperature()
+        self.register_context_args("temperature", dynamic=True)
+
+    def call(self, x):
+        return self.seen(self.dense(x))
+
+
+def test_a_dynamic_value_has_one_dtype_in_every_entry_point_under_mixed_precision():
+    """A subclassed model's call casts a float value to its compute dtype, as
+    Keras's `__call__` casts its arguments. On JAX, fit and predict call the model
+    through `stateless_call`, which casts none: the layer got float32 there and
+    float16 in a direct call, so its output (and captures) changed dtype."""
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    try:
+        model = MixedNet()
+        model.compile(optimizer="sgd", loss="mse")
+        want = (X @ np.ones((2, 3), "float32") * 2.0).astype("float16")
+        direct = numpy(model(X, temperature=2.0))
+        predicted = model.predict(X, temperature=2.0, verbose=0)
+        with cs.capture(model, "*seen*") as cap:
+            model.fit(X, want, temperature=2.0, epochs=1, verbose=0)
+    finally:
+        keras.mixed_precision.set_dtype_policy("float32")
+    assert set(model.seen.dtypes) == {"float16"}, model.seen.dtypes
+    assert direct.dtype == predicted.dtype == np.float16
+    np.testing.assert_allclose(predicted, direct)
+    np.testing.assert_allclose(direct, want, rtol=1e-3)
+    assert {str(v.dtype) for v in cap.values()} == {"float16"}

@@ -30,7 +30,8 @@ def test_private_keras_api_is_used_only_in_the_compat_module():
                          r"_compute_loss\b|_update_metrics_variables|_get_call_context|"
                          r"\.__dict__\b|\.__class__\s*=|__bases__\s*=|_seed_generators|"
                          r"\._jax_state|_use_cached_eval_dataset|super\(\)\.compute_loss_and_upd|"
-                         r"stateless_apply|unpack_x_y_sample_weight|_purge_model_variables")
+                         r"stateless_apply|unpack_x_y_sample_weight|_purge_model_variables|"
+                         r"_convert_input_args")
     offenders = []
     for path in SRC.rglob("*.py"):
         if path.name == "_keras_compat.py":

@@ -39,6 +39,7 @@ REQUIRED_ATTRIBUTES = (
     (keras.Model, "_flatten_layers"),  # layers/layer.py:1708
     (keras.layers.Layer, "_seed_generators"),  # instance attr, layer.py:393
     (keras.layers.Layer, "_remat_mode"),  # instance attr, ops/operation.py:34
+    (keras.layers.Layer, "_convert_input_args"),  # instance attr, layer.py:337
     (_global_state, "get_global_attribute"),  # backend/common/global_state.py
     (_masking, "get_keras_mask"),  # backend/common/masking.py:16
     (_masking, "set_keras_mask"),  # backend/common/masking.py:5
@@ -332,6 +333,17 @@ def passed_by_an_outer_layer(name: str) -> bool:
 # --------------------------------------------------------------------------
 # JAX: stateless_call propagation (keras 3.15.1: layers/layer.py:1089-1200)
 # --------------------------------------------------------------------------
+def as_call_argument(layer, value):
+    """`value` converted as `Layer.__call__` converts a tensor argument (a float
+    cast to the layer's input dtype under a mixed-precision policy), where the
+    layer converts them; `stateless_call` converts none (keras 3.15.1:
+    layers/layer.py:881-900; Functional sets `_convert_input_args = False`,
+    models/functional.py:145)."""
+    if not layer._convert_input_args:
+        return value
+    return layer.dtype_policy.convert_input(value, layer.autocast, layer.input_dtype)
+
+
 @contextlib.contextmanager
 def entered_call_context(model, values):
     """Makes `model` the entry of Keras's call context, holding `values`.

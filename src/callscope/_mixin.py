@@ -248,6 +248,8 @@ class ContextMixin(Engine, _keras_compat.LossHook, *_JAX_HOOKS):
             if isinstance(value, keras.Variable) and id(value) in hidden:
                 value = non_trainable_variables[hidden[id(value)]]
             delivered[name] = _delivered(value, name in state.dynamic)
+            if name in state.dynamic:  # (in the dtype a call of the model gives)
+                delivered[name] = _keras_compat.as_call_argument(self, delivered[name])
         pushed = {**dict.fromkeys(state.names), **values}
         call = lambda: super(ContextMixin, self).stateless_call(  # noqa: E731
             trainable_variables, non_trainable_variables, *args,
