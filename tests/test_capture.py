@@ -266,8 +266,8 @@ def test_a_point_called_twice_gets_at_indices():
     # So does a capture's list with a glob that matched nothing (it was left out
     # in silence), and the other globs are captured.
     with pytest.raises(ValueError, match=r"cs.capture: \['twice/shared@1', 'twice/sharde'\] "
-                       r"of the globs in `select` matched no point that a call in this "
-                       r"scope ran. \['twice/shared@1'\] name single calls .*select the "
+                       r"of the globs in `select` matched no point of `twice`. "
+                       r"\['twice/shared@1'\] name single calls .*select the "
                        r"point \(\['twice/shared'\]\).*Nearest points: .*'twice/shared'.*"
                        r"Received: select=\['twice/shared@1', 'twice/sharde', 'twice'\]"):
         with cs.capture(model, ["twice/shared@1", "twice/sharde", "twice"]) as cap:
@@ -276,6 +276,14 @@ def test_a_point_called_twice_gets_at_indices():
     with cs.capture(model, ["twice/shared", "twice/s*"]) as cap:
         model.predict(X, verbose=0)
     np.testing.assert_allclose(cap["twice/shared@1:output"], (X @ w + b) @ w + b, rtol=1e-5)
+    # A model called inside another notes no points of its own: its layers' are known.
+    outer = cs.Sequential([keras.Input(X.shape[1:]), model, keras.layers.Dense(1)])
+    with cs.capture(model, ["twice/shared", "twice"]) as cap:
+        outer.predict(X, verbose=0)
+    assert sorted(cap) == ["twice/shared@0:output", "twice/shared@1:output", "twice:output"]
+    with pytest.raises(ValueError, match=r"\['twice/sharde'\] of the globs"):
+        with cs.capture(model, ["twice/shared", "twice/sharde"]):
+            outer.predict(X, verbose=0)
 
 
 def test_select_callable_and_no_match_error():

@@ -27,7 +27,8 @@ import numpy as np
 
 from callscope import _backend, _reduce, _scope, _sinks
 from callscope._writer import WriteError
-from callscope._points import KINDS, Ranges, Spec, normalize_select, unmatched_globs
+from callscope._points import (KINDS, Ranges, Spec, loop_points, normalize_select, tree_points,
+                               unmatched_globs)
 
 WAIT_S = 10.0  # how long a scope's exit waits for its calls in other threads
 
@@ -360,9 +361,15 @@ class Capture(Mapping):
             _backend.barrier(f"callscope-capture-index:{self._dir}")
 
     def _check_each_glob_matched(self) -> None:
-        """A glob of a list that matched no point the scope's calls ran is an error."""
-        message = unmatched_globs(self.spec.select, list(self.model._cs.seen),
-                                  "cs.capture", "that a call in this scope ran",
+        """A glob of a list that matches no point of the model is an error: the
+        points of its layers (run or not: a model called inside another notes
+        none of its own), those its calls ran, and those recorded (sown ones)."""
+        model = self.model
+        keys = [k.partition(":")[0] for call in self.calls for k in call._names()]
+        points = [*model._cs.seen, *model._cs.loops, *tree_points(model),
+                  *loop_points(model), *(k.rpartition("@")[0] or k for k in keys)]
+        message = unmatched_globs(self.spec.select, list(dict.fromkeys(points)),
+                                  "cs.capture", f"of `{model.name}`",
                                   "the other globs' values were captured")
         if message:
             raise ValueError(message)
