@@ -286,6 +286,18 @@ def test_a_point_called_twice_gets_at_indices():
             outer.predict(X, verbose=0)
 
 
+def test_a_list_of_globs_of_a_model_run_only_inside_another_is_not_refused():
+    """Its points are noted on the model that runs it: a sown point, which has no
+    `input`, was taken for a glob that matched nothing."""
+    keras.utils.set_random_seed(0)
+    net = Net()
+    outer = cs.Sequential([keras.Input((4,)), net, keras.layers.Dense(1)])
+    with cs.capture(net, ["net/block_0/pre_act", "net/block_0"], kinds=("input",)) as cap:
+        outer.predict(X, verbose=0)
+    assert sorted(cap) == ["net/block_0:input"]
+    np.testing.assert_allclose(cap["net/block_0:input"], X, rtol=1e-6)
+
+
 def test_select_callable_and_no_match_error():
     net = _net()
     with cs.capture(net, lambda point, layer: isinstance(layer, keras.layers.Dense)) as cap:

@@ -1197,6 +1197,16 @@ def test_intermediate_grads_refuses_a_glob_of_a_list_that_matched_nothing():
     assert sorted(result.grads) == ["m/d1:grad", "m/d2:grad"]
     np.testing.assert_allclose(_one(result.grads, "d1:grad"), _reference(model)["d1"],
                                rtol=1e-5, atol=1e-7)
+    # Called inside another model, its points are named from it down, as selected.
+    outer = cs.Sequential([keras.Input(X.shape[1:]), model], name="outer")
+    outer_fn, outer_args = _mse_fn(outer)
+    cs.intermediate_grads(outer, outer_fn, *outer_args, select="*d1")
+    result = cs.intermediate_grads(model, outer_fn, *outer_args, select=["m/d1", "m/d2"])
+    assert sorted(result.grads) == ["m/d1:grad", "m/d2:grad"]
+    np.testing.assert_allclose(_one(result.grads, "d1:grad"), _reference(model)["d1"],
+                               rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match=r"\['m/d9'\] of the globs"):
+        cs.intermediate_grads(model, outer_fn, *outer_args, select=["m/d1", "m/d9"])
 
 
 def test_intermediate_grads_refuses_what_it_cannot_apply():

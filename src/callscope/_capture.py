@@ -362,9 +362,14 @@ class Capture(Mapping):
 
     def _check_each_glob_matched(self) -> None:
         """A glob of a list that matches no point of the model is an error: the
-        points of its layers (run or not: a model called inside another notes
-        none of its own), those its calls ran, and those recorded (sown ones)."""
+        points its own calls ran, those of its layers (run or not), and those
+        recorded."""
         model = self.model
+        if not model._cs.seen:
+            # Run only inside other models, it noted no points of its own (they are
+            # noted on the model that runs, named from it): nothing to tell a glob's
+            # typo from a sown value or a loop's point that it did not record.
+            return
         keys = [k.partition(":")[0] for call in self.calls for k in call._names()]
         points = [*model._cs.seen, *model._cs.loops, *tree_points(model),
                   *loop_points(model), *(k.rpartition("@")[0] or k for k in keys)]

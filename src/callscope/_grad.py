@@ -24,7 +24,8 @@ from typing import Any, NamedTuple
 import keras
 
 from callscope import _backend, _capturing, _grads, _keras_compat, _record, _scope, _steps
-from callscope._points import Spec, key_name, normalize_select, tree_points, unmatched_globs
+from callscope._points import (Spec, escaped, key_name, normalize_select, tree_points,
+                               unmatched_globs)
 
 _BACKEND = keras.backend.backend()
 
@@ -132,13 +133,27 @@ def intermediate_grads(
     grads = _named(records, "grad")
     if not grads:
         raise ValueError(_nothing_selected(model, spec, collector))
-    message = unmatched_globs(spec.select, list(dict.fromkeys(e[1] for e in collector.tree)),
+    message = unmatched_globs(spec.select, _points_of(model, collector.tree),
                               "cs.intermediate_grads", "that `loss_fn` ran through",
                               "the other globs' gradients were taken")
     if message:
         raise ValueError(message)
     loss, aux = (result[0], result[1]) if isinstance(result, tuple) else (result, None)
     return IntermediateGrads(loss, aux, grads, _named(records, "output"))
+
+
+def _points_of(model, tree) -> list[str]:
+    """The points of `tree` (named from the top of the call) inside `model`, as a
+    selection of `model` names them (from `model` down: `loss_fn` may call a
+    model that holds it). Where `model` itself made no entry (not a callscope
+    model, or not called), every point, as named."""
+    roots = {entry[1] for entry in tree if entry[2] is model}
+    if not roots:
+        return list(dict.fromkeys(entry[1] for entry in tree))
+    name = escaped(model.name)
+    return list(dict.fromkeys(
+        name + point[len(root):] for _, point, *_ in tree for root in roots
+        if point.startswith(root) and point[len(root):][:1] in ("", "/")))
 
 
 def _open_patches(model) -> tuple:
