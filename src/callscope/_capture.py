@@ -13,7 +13,6 @@ callbacks and the progress bar are unchanged.
 from __future__ import annotations
 
 import contextlib
-import difflib
 import json
 import os
 import shutil
@@ -27,8 +26,8 @@ import numpy as np
 
 from callscope import _backend, _reduce, _scope, _sinks
 from callscope._writer import WriteError
-from callscope._points import (KINDS, Ranges, Spec, loop_points, normalize_select, tree_points,
-                               unmatched_globs)
+from callscope._points import (KINDS, Ranges, Spec, loop_points, nearest, normalize_select,
+                               tree_points, unmatched_globs)
 
 WAIT_S = 10.0  # how long a scope's exit waits for its calls in other threads
 
@@ -399,9 +398,7 @@ class Capture(Mapping):
                          "layers that no call in this scope ran (a layer its `call` "
                          "skipped, such as one in a branch not taken: torch runs only "
                          "the branch of `keras.ops.cond` that its condition picks)")
-            near = sorted({p for w in wanted
-                           for p in difflib.get_close_matches(w, points, n=5, cutoff=0.2)})
-            near = near or points[:8]
+            near = nearest(wanted, points)
         return (
             f"cs.capture selected nothing: {hint}. Nearest points: {near}. Use "
             "`cs.points(model, x)` to list every point. Received: "

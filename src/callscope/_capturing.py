@@ -13,13 +13,12 @@ of a direct `model(x)`, the JAX forward pass that carries sown values out of
 from __future__ import annotations
 
 import dataclasses
-import difflib
 
 import keras
 import numpy as np
 
 from callscope import _backend, _grads, _keras_compat, _record, _scope, _steps
-from callscope._points import loop_points, tree_points
+from callscope._points import loop_points, nearest, single_calls, tree_points
 from callscope._capture import begin_calls
 from callscope._run import Run
 
@@ -196,22 +195,21 @@ def check_reached(patches, method: str, hits: set, known=list, loops=None) -> No
     inside = {p: loops[p] for p in points if p in loops}
     if inside:
         raise _record.LoopPointError(_record.loop_message(*next(iter(inside.items()))))
-    near = sorted({n for p in points for n in difflib.get_close_matches(p, known, n=4,
-                                                                       cutoff=0.3)})
     # `cs.points` lists each call of a shared layer as `point@i`, as captures
     # key it; a patch names the point, and applies to every call of it.
-    calls = {p: p.rpartition("@")[0] for p in points if p.rpartition("@")[0] in known}
+    calls = single_calls(points, known)
     hint = (f" {sorted(calls)} name single calls of a point reached more than once "
             "(a shared layer), as `cs.points` lists them; a patch applies to every "
             f"call of its point: patch {sorted(set(calls.values()))} instead."
             if calls else "")
-    nearest = f" Nearest points: {near or known[:8]}." if known else ""
+    near = f" Nearest points: {nearest(points, known)}." if known else ""
     raise ValueError(
         f"cs.patch never reached {points} in this `{method}`: no layer or sown "
-        f"value that the call ran has that point.{hint}{nearest} Use "
+        f"value that the call ran has that point.{hint}{near} Use "
         f"`cs.points(model, x)` to list them. "
         f"Received: patches={[p for _, p, _ in patches]}"
     )
+
 
 def _sorts(tree, loops) -> dict[str, str]:
     """What each point of a trace's call tree is, for error messages (the kinds

@@ -17,14 +17,13 @@ How each backend differentiates is in `_grads`.
 from __future__ import annotations
 
 import contextlib
-import difflib
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import keras
 
 from callscope import _backend, _capturing, _grads, _keras_compat, _record, _scope, _steps
-from callscope._points import (Spec, escaped, key_name, normalize_select, tree_points,
+from callscope._points import (Spec, escaped, key_name, nearest, normalize_select, tree_points,
                                unmatched_globs)
 
 _BACKEND = keras.backend.backend()
@@ -267,8 +266,7 @@ def _nothing_selected(model, spec, collector) -> str:
     points = ran or tree_points(model)
     near = points[:8]
     if isinstance(wanted, tuple):
-        near = sorted({p for w in wanted
-                       for p in difflib.get_close_matches(w, points, n=5, cutoff=0.2)}) or near
+        near = nearest(wanted, points)
     return (
         "cs.intermediate_grads differentiates the loss with respect to the selected "
         f"points, and selected none: {hint}. Nearest points: {near}. Use "

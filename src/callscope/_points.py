@@ -109,6 +109,21 @@ def normalize_select(select) -> tuple[str, ...] | Callable | None:
     return select
 
 
+def nearest(names, points: list[str]) -> list[str]:
+    """The points closest to the mistyped `names`, for an error's hint (the first
+    eight points when none is close)."""
+    near = {p for name in names
+            for p in difflib.get_close_matches(name, points, n=5, cutoff=0.2)}
+    return sorted(near) or list(points[:8])
+
+
+def single_calls(names, points: list[str]) -> dict[str, str]:
+    """Those of `names` that name one call `point@i` of a point of `points` that
+    runs more than once (a shared layer; `cs.points` lists each call so), each
+    mapped to its point."""
+    return {n: n.rpartition("@")[0] for n in names if n.rpartition("@")[0] in points}
+
+
 def unmatched_globs(select, ran: list[str], who: str, where: str, rest: str) -> str | None:
     """The error for the globs of a list `select` that match none of the points
     `ran` (a typo; a shared layer's `point@1`, which names one of its calls), or
@@ -120,15 +135,13 @@ def unmatched_globs(select, ran: list[str], who: str, where: str, rest: str) -> 
                  if not any(fnmatch.fnmatchcase(point, glob) for point in ran)]
     if not unmatched:
         return None
-    calls = {g: g.rpartition("@")[0] for g in unmatched if g.rpartition("@")[0] in ran}
+    calls = single_calls(unmatched, ran)
     hint = (f" {sorted(calls)} name single calls of a point that runs more than once (a "
             "shared layer), as `cs.points` lists them: select the point "
             f"({sorted(set(calls.values()))}), whose keys are `<point>@0:...`, "
             "`<point>@1:...`." if calls else "")
-    near = sorted({n for g in unmatched
-                   for n in difflib.get_close_matches(g, ran, n=4, cutoff=0.3)})
     return (f"{who}: {unmatched} of the globs in `select` matched no point {where}.{hint} "
-            f"Nearest points: {near or ran[:8]}; {rest}. Use `cs.points(model, x)` to "
+            f"Nearest points: {nearest(unmatched, ran)}; {rest}. Use `cs.points(model, x)` to "
             f"list every point. Received: select={list(select)!r}")
 
 
