@@ -286,6 +286,28 @@ def test_a_point_called_twice_gets_at_indices():
             outer.predict(X, verbose=0)
 
 
+def test_a_glob_of_a_list_whose_points_lack_every_kind_asked_for_is_refused():
+    """Each glob of a list must select something: one that matched only points
+    without the kinds asked for (a sown value has no `input`) was left out in
+    silence, while the same glob alone was refused."""
+    net = _net()
+    with pytest.raises(ValueError, match=r"cs.capture: the glob 'net/block_0/pre_act' of "
+                       r"`select` selected nothing \(the other globs' values were "
+                       r"captured\): \['net/block_0/pre_act'\] matched, but it has no "
+                       r"kind in kinds=\('input',\): `net/block_0/pre_act` is a sown "
+                       r"value, which has only `output`"):
+        with cs.capture(net, ["net/block_0", "net/block_0/pre_act"],
+                        kinds=("input",)) as cap:
+            net.predict(X, verbose=0)
+    assert sorted(cap) == ["net/block_0:input"]
+    np.testing.assert_allclose(cap["net/block_0:input"], X, rtol=1e-6)
+    # A glob that matches a point with the kind as well selects that one.
+    with cs.capture(net, ["net/block_0", "net/block_1*"], kinds=("input",)) as cap:
+        net.predict(X, verbose=0)
+    assert sorted(cap) == ["net/block_0:input", "net/block_1/dense:input",
+                           "net/block_1:input"]
+
+
 def test_a_list_of_globs_of_a_model_run_only_inside_another_is_not_refused():
     """Its points are noted on the model that runs it: a sown point, which has no
     `input`, was taken for a glob that matched nothing."""

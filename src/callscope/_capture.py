@@ -13,6 +13,7 @@ callbacks and the progress bar are unchanged.
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import json
 import os
 import shutil
@@ -360,9 +361,9 @@ class Capture(Mapping):
             _backend.barrier(f"callscope-capture-index:{self._dir}")
 
     def _check_each_glob_matched(self) -> None:
-        """A glob of a list that matches no point of the model is an error: the
-        points its own calls ran, those of its layers (run or not), and those
-        recorded."""
+        """A glob of a list that matches no point of the model is an error (the
+        points its own calls ran, those of its layers, run or not, and those
+        recorded), and so is one whose points all lack the kinds asked for."""
         model = self.model
         if not model._cs.seen:
             # Run only inside other models, it noted no points of its own (they are
@@ -377,6 +378,14 @@ class Capture(Mapping):
                                   "the other globs' values were captured")
         if message:
             raise ValueError(message)
+        for glob in self.spec.select if isinstance(self.spec.select, tuple) else ():
+            matched = [p for p in model._cs.seen if fnmatch.fnmatchcase(p, glob)]
+            if matched and not any(set(self.spec.kinds) & _SORT_KINDS[model._cs.seen[p]]
+                                   for p in matched):
+                raise ValueError(_no_kind(
+                    matched, model._cs.seen, self.spec.select, self.spec.kinds,
+                    f"cs.capture: the glob {glob!r} of `select` selected nothing "
+                    "(the other globs' values were captured)"))
 
     def _nothing_matched(self) -> str:
         points = self.model._cs_known_points()
@@ -412,9 +421,12 @@ _SORTS = {
     "element": ("an element of a layer's output", "only `output`"),
     "layer": ("a layer's call", "`output` and `input`"),
 }
+_SORT_KINDS = {"sown": {"output", "grad"}, "element": {"output", "grad"},
+               "layer": {"output", "input", "grad"}}
 
 
-def _no_kind(matched: list[str], seen: Mapping[str, str], wanted, kinds) -> str:
+def _no_kind(matched: list[str], seen: Mapping[str, str], wanted, kinds,
+             lead: str = "cs.capture selected nothing") -> str:
     """The error for points that matched but have none of the kinds asked for."""
     groups: dict[str, list[str]] = {}
     for point in matched:
@@ -428,7 +440,7 @@ def _no_kind(matched: list[str], seen: Mapping[str, str], wanted, kinds) -> str:
                      f"{'is' if one else 'are'} {what}, which {'has' if one else 'have'} "
                      f"{has} (and `grad`)")
     return (
-        f"cs.capture selected nothing: {matched[:8]} matched, but "
+        f"{lead}: {matched[:8]} matched, but "
         f"{'it has no kind' if len(matched) == 1 else 'none of them has a kind'} in "
         f"kinds={kinds!r}: {'; '.join(parts)}. `input` is what a layer's call "
         "receives; `grad` (d loss / d point, in fit, evaluate and the *_on_batch "
