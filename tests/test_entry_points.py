@@ -6,7 +6,7 @@ import keras
 import numpy as np
 import pytest
 from conftest import BACKEND, numpy
-from models_for_tests import Outer, make_models
+from models_for_tests import Deep, Outer, make_models
 
 import callscope as cs
 
@@ -184,3 +184,25 @@ def test_training_still_reaches_layers_in_fit():
     seen.clear()
     net.fit(X, Y, epochs=1, verbose=0)
     assert True in seen, (BACKEND, seen)
+
+
+def test_an_evaluate_override_passing_kwargs_on_takes_keras_arguments():
+    """keras_hub's Tasks override `evaluate(self, x, y, batch_size, sample_weight,
+    **kwargs)`: `verbose`, `return_dict` and the `steps` of fit's validation were
+    refused as unknown context names, so no Task could fit with validation."""
+    class PassesOn(keras.Sequential):
+        def evaluate(self, x=None, y=None, batch_size=None, sample_weight=None, **kwargs):
+            return super().evaluate(x=x, y=y, batch_size=batch_size,
+                                    sample_weight=sample_weight, **kwargs)
+
+    model = cs.enable(PassesOn([keras.Input((3,)), Deep([])]))
+    model.register_context_args("debugging")
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+    assert model.evaluate(X, Y, verbose=0, return_dict=True) == {"loss": pytest.approx(0.0)}
+    assert model.evaluate(X, Y, 2, None, debugging=True, verbose=0) == pytest.approx(1e4)
+    history = model.fit(X, Y, debugging=True, epochs=1, batch_size=2, verbose=0,
+                        validation_data=(X, Y))
+    assert history.history["val_loss"] == pytest.approx([1e4])
+    # A word neither takes is still refused, by Keras's own evaluate.
+    with pytest.raises(ValueError, match=r"Arguments not recognized: \{'debuging': True\}"):
+        model.evaluate(X, Y, debuging=True, verbose=0)

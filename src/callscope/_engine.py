@@ -460,11 +460,12 @@ def _keras_signature(cls, method) -> inspect.Signature:
             if issubclass(base, Engine) or base.__module__.startswith("callscope.") or (
                     method not in vars(base)):
                 continue
-            signature = inspect.signature(getattr(base, method))
+            function = getattr(base, method)
+            signature = inspect.signature(function)
             if not any(p.kind is p.VAR_POSITIONAL for p in signature.parameters.values()):
                 break
-        _SIGNATURE_CACHE[key] = signature
-    return _SIGNATURE_CACHE[key]
+        _SIGNATURE_CACHE[key] = signature, function.__module__.startswith("keras.")
+    return _SIGNATURE_CACHE[key][0]
 
 
 def _bind_positional(cls, method, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -492,9 +493,11 @@ def _keras_method_parameters(cls, method) -> set[str] | None:
     if key not in _PARAMETER_CACHE:
         params = _keras_signature(cls, method).parameters
         names = {n for n, p in params.items() if p.kind is not p.VAR_KEYWORD}
-        if method == "evaluate":
+        if method == "evaluate" and _SIGNATURE_CACHE[key][1]:  # Keras's own
             names |= _keras_compat.PRIVATE_EVALUATE_ARGUMENTS  # fit's validation
         elif any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            # An override passing `**kwargs` on (keras_hub's Tasks' `evaluate`):
+            # Keras's own method, or the override, says what it takes.
             names = None
         _PARAMETER_CACHE[key] = names
     return _PARAMETER_CACHE[key]
