@@ -181,6 +181,22 @@ def test_an_array_patch_that_a_cast_would_change_is_refused():
                                   np.argmax(CLEAN, axis=-1))
 
 
+def test_a_patch_array_or_value_of_strings_is_refused_when_the_scope_opens():
+    # It reached the backend, whose error named neither the patch nor the point.
+    model = cs.Sequential([keras.Input((4,)), keras.layers.Dense(2, name="d")], name="m")
+    for patch, values, what in [({"m/d": np.array([["a", "b"]] * 5)}, None,
+                                 r"The array patch of `m/d`"),
+                                ({"m/d": np.full((5, 2), None)}, None, r"The array patch of `m/d`"),
+                                ({"m/d": lambda v, values: v}, {"s": np.array(["a"])},
+                                 r"values\['s'\]")]:
+        with pytest.raises(TypeError, match=what + r" enters the compiled step as a tensor: it "
+                           r"takes numbers or bools\. .* Received: an array of numpy dtype"):
+            with cs.patch(model, patch, values=values):
+                pytest.fail("the scope opened")
+    with cs.patch(model, {"m/d": lambda v: v * 0.0}):  # nothing left open
+        np.testing.assert_array_equal(model.predict(CLEAN, verbose=0), np.zeros((5, 2)))
+
+
 @pytest.mark.parametrize("jit_compile", [False, "auto"])
 def test_a_patch_function_returns_values_in_the_points_dtype(jit_compile):
     """As an array patch's: the layers after it got whatever dtype it returned, each

@@ -179,6 +179,17 @@ def _takes_values(fn) -> bool:
     return any(p.name == "values" and p.kind is not p.POSITIONAL_ONLY for p in _parameters(fn))
 
 
+def _numbers(array: np.ndarray, what: str) -> np.ndarray:
+    """`array`, or a clear error where it holds no numbers: it enters the compiled
+    step as a tensor (the backend's own error named neither patch nor point)."""
+    if array.dtype.kind in "USOMm":  # (bfloat16's kind is 'V': numbers)
+        raise TypeError(
+            f"{what} enters the compiled step as a tensor: it takes numbers or bools. "
+            "Put strings and other settings in a patch function itself. Received: an "
+            f"array of numpy dtype {array.dtype}")
+    return array
+
+
 def _value_array(name, value) -> np.ndarray:
     """A `values=` entry as the array the step gets: floats in floatx, Python and
     64-bit ints in int32 (what JAX computes in), other dtypes kept."""
@@ -188,7 +199,7 @@ def _value_array(name, value) -> np.ndarray:
             "step as inputs). Put strings and other settings in the function itself. "
             f"Received: values[{name!r}]={value!r}"
         )
-    array = np.asarray(keras.ops.convert_to_numpy(value))
+    array = _numbers(np.asarray(keras.ops.convert_to_numpy(value)), f"values[{name!r}]")
     if array.dtype.kind == "f":
         return array.astype(keras.config.floatx())
     if array.dtype.kind in "iu" and array.dtype.itemsize == 8:
@@ -212,7 +223,7 @@ def _normalized(point, fn, values):
                 f"An array patch of `{point}` gives one row per row of the data, so it "
                 f"needs a batch axis. Received: an array of shape {array.shape}"
             )
-        return ArrayPatch(array, point)
+        return ArrayPatch(_numbers(array, f"The array patch of `{point}`"), point)
     if not callable(fn):
         raise TypeError(
             "`cs.patch` takes {point (str): fn(value), fn(value, batch) or an array}. "
