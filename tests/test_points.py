@@ -394,6 +394,30 @@ def test_sow_inside_a_users_scan_is_refused_alike_on_every_backend():
             model.predict(X, batch_size=8, verbose=0)
 
 
+class SowingCell(layers.Layer):
+    state_size = output_size = 4
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.inner = layers.Dense(4, name="inner")
+
+    def call(self, x, states):
+        h = cs.sow(self, "step", ops.tanh(self.inner(ops.concatenate([x, states[0]], -1))))
+        return h, [h]
+
+
+def test_a_default_capture_whose_only_sown_values_are_in_a_loop_says_so():
+    # It said "no layer called `cs.sow`", and one did: inside the RNN's cell.
+    model = cs.Sequential([keras.Input((3, 4)), layers.RNN(SowingCell(name="cell"),
+                                                           name="rnn")], name="m")
+    with pytest.raises(ValueError, match=r"selected nothing: no layer called `cs.sow` outside "
+                       r"a loop body during the run: points inside one \(\[.*'m/rnn/cell/step'"
+                       r".*\]\) are left out, since a value made there cannot leave it\. "
+                       r"Capture \['m/rnn'\] instead"):
+        with cs.capture(model):
+            model.predict(np.ones((2, 3, 4), "float32"), verbose=0)
+
+
 # --------------------------------------------------------------------------
 # Quantized layers
 # --------------------------------------------------------------------------

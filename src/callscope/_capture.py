@@ -395,6 +395,12 @@ class Capture(Mapping):
             near = points[:8]
         elif wanted is None:
             hint = "no layer called `cs.sow` during the run"
+            if loops := {p: e for p, e in self.model._cs.loops.items() if e}:
+                hint = ("no layer called `cs.sow` outside a loop body during the run: "
+                        f"points inside one ({list(loops)[:4]}) are left out, since a "
+                        "value made there cannot leave it. Capture "
+                        f"{sorted(set(loops.values()))[:4]} instead, whose output holds "
+                        "every step")
             near = points[:8]
         elif matched := [p for p in points if p in self.model._cs.seen  # ran
                          and self.spec.selects(p, None, False)]:
