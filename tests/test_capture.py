@@ -273,6 +273,16 @@ def test_a_point_called_twice_gets_at_indices():
         with cs.capture(model, ["twice/shared@1", "twice/sharde", "twice"]) as cap:
             model.predict(X, verbose=0)
     assert sorted(cap) == ["twice:output"]
+    # Alone (nothing selected at all), it said only that no point matched.
+    for select in ("twice/shared@1", ["twice/shared@1", "twice/shared@0"]):
+        with pytest.raises(ValueError, match=r"cs.capture selected nothing: no point matched "
+                           r"\[.*\]\. \[.*'twice/shared@1'\] name single calls .*select the "
+                           r"point \(\['twice/shared'\]\)"):
+            with cs.capture(model, select):
+                model.predict(X, verbose=0)
+    with pytest.raises(ValueError, match=r"and selected none: .*\['twice/shared@1'\] name "
+                       r"single calls .*select the point \(\['twice/shared'\]\)"):
+        cs.intermediate_grads(model, lambda: keras.ops.sum(model(X)), select="twice/shared@1")
     with cs.capture(model, ["twice/shared", "twice/s*"]) as cap:
         model.predict(X, verbose=0)
     np.testing.assert_allclose(cap["twice/shared@1:output"], (X @ w + b) @ w + b, rtol=1e-5)

@@ -28,7 +28,7 @@ import numpy as np
 from callscope import _backend, _reduce, _scope, _sinks
 from callscope._writer import WriteError
 from callscope._points import (KINDS, Ranges, Spec, loop_points, nearest, normalize_select,
-                               tree_points, unmatched_globs)
+                               single_calls_hint, tree_points, unmatched_globs)
 
 WAIT_S = 10.0  # how long a scope's exit waits for its calls in other threads
 
@@ -413,6 +413,8 @@ class Capture(Mapping):
                          "layers that no call in this scope ran (a layer its `call` "
                          "skipped, such as one in a branch not taken: torch runs only "
                          "the branch of `keras.ops.cond` that its condition picks)")
+            if calls := single_calls_hint(wanted, points):
+                hint += "." + calls.removesuffix(".")
             near = nearest(wanted, points)
         return (
             f"cs.capture selected nothing: {hint}. Nearest points: {near}. Use "

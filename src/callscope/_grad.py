@@ -23,8 +23,8 @@ from typing import Any, NamedTuple
 import keras
 
 from callscope import _backend, _capturing, _grads, _keras_compat, _record, _scope, _steps
-from callscope._points import (Spec, escaped, key_name, nearest, normalize_select, tree_points,
-                               unmatched_globs)
+from callscope._points import (Spec, escaped, key_name, nearest, normalize_select,
+                               single_calls_hint, tree_points, unmatched_globs)
 
 _BACKEND = keras.backend.backend()
 
@@ -267,6 +267,8 @@ def _nothing_selected(model, spec, collector) -> str:
     near = points[:8]
     if isinstance(wanted, tuple):
         near = nearest(wanted, points)
+        if calls := single_calls_hint(wanted, points):
+            hint += "." + calls.removesuffix(".")
     return (
         "cs.intermediate_grads differentiates the loss with respect to the selected "
         f"points, and selected none: {hint}. Nearest points: {near}. Use "

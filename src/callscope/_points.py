@@ -124,6 +124,16 @@ def single_calls(names, points: list[str]) -> dict[str, str]:
     return {n: n.rpartition("@")[0] for n in names if n.rpartition("@")[0] in points}
 
 
+def single_calls_hint(names, points: list[str]) -> str:
+    """The hint (or "") for selected `names` that name one call `point@i` of a point
+    that runs more than once."""
+    calls = single_calls(names, points)
+    return (f" {sorted(calls)} name single calls of a point that runs more than once (a "
+            "shared layer), as `cs.points` lists them: select the point "
+            f"({sorted(set(calls.values()))}), whose keys are `<point>@0:...`, "
+            "`<point>@1:...`." if calls else "")
+
+
 def unmatched_globs(select, ran: list[str], who: str, where: str, rest: str) -> str | None:
     """The error for the globs of a list `select` that match none of the points
     `ran` (a typo; a shared layer's `point@1`, which names one of its calls), or
@@ -135,11 +145,7 @@ def unmatched_globs(select, ran: list[str], who: str, where: str, rest: str) -> 
                  if not any(fnmatch.fnmatchcase(point, glob) for point in ran)]
     if not unmatched:
         return None
-    calls = single_calls(unmatched, ran)
-    hint = (f" {sorted(calls)} name single calls of a point that runs more than once (a "
-            "shared layer), as `cs.points` lists them: select the point "
-            f"({sorted(set(calls.values()))}), whose keys are `<point>@0:...`, "
-            "`<point>@1:...`." if calls else "")
+    hint = single_calls_hint(unmatched, ran)
     return (f"{who}: {unmatched} of the globs in `select` matched no point {where}.{hint} "
             f"Nearest points: {nearest(unmatched, ran)}; {rest}. Use `cs.points(model, x)` to "
             f"list every point. Received: select={list(select)!r}")
