@@ -357,3 +357,25 @@ def test_a_recomputed_declared_layer_gets_the_models_value(how):
 
     for got, want in zip(trained(True), trained(False)):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+
+
+def test_the_mixin_after_a_keras_class_is_refused():
+    # Keras's `predict` came first in the MRO: a capture stayed empty, silently.
+    class Base(keras.Model):
+        pass
+
+    for bases, fix in [((keras.Model, cs.ContextMixin), "Model"),
+                       ((Base, cs.ContextMixin), "Base")]:
+        with pytest.raises(TypeError, match=r"`cs.ContextMixin` must come before the Keras "
+                           r"classes among `Net`'s bases.*Write `class Net\(cs.ContextMixin, "
+                           + fix + r"\)`.*Received: bases=\['" + fix + "', 'ContextMixin'\\]"):
+            type("Net", bases, {})
+
+    class Net(cs.ContextMixin, Base):
+        def call(self, x):
+            return cs.sow(self, "h", x + 1.0)
+
+    net = Net(name="net")
+    with cs.capture(net, "net/h") as cap:
+        net.predict(np.ones((2, 2), "float32"), verbose=0)
+    np.testing.assert_array_equal(cap["net/h:output"], np.full((2, 2), 2.0))

@@ -26,7 +26,20 @@ _JAX_HOOKS = ((_keras_compat.AuxHook, _keras_compat.SyncHook)
 
 class ContextMixin(Engine, _keras_compat.LossHook, *_JAX_HOOKS):
     """Adds context arguments, captures and patches to a Keras model. Used through
-    `cs.Model`, `cs.Sequential` and `cs.enable`.
+    `cs.Model`, `cs.Sequential` and `cs.enable`, or mixed in first, before the Keras
+    class (after it, Keras's `fit`, `predict` and `__call__` would shadow its own:
+    that class is refused).
+
+    Example:
+
+    >>> import keras, numpy as np, callscope as cs
+    >>> class Net(cs.ContextMixin, keras.Model):
+    ...     def call(self, x, scale=None):
+    ...         return x * 2.0 if scale else x
+    >>> net = Net()
+    >>> net.register_context_args("scale")
+    >>> net.predict(np.ones((1, 2)), scale=True, verbose=0).tolist()
+    [[2.0, 2.0]]
 
     Attributes:
         context_cache_size: how many distinct non-default keys keep their compiled
@@ -34,6 +47,23 @@ class ContextMixin(Engine, _keras_compat.LossHook, *_JAX_HOOKS):
             no running call uses is evicted with a warning, and retraces when it
             comes back.
     """
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        # Listed after a Keras class (`class Net(keras.Model, cs.ContextMixin)`),
+        # Keras's `predict`, `fit` and `__call__` come first in the MRO: nothing of
+        # callscope's ran, and a capture stayed empty without a word.
+        mro = cls.__mro__
+        keras_first = next((b for b in mro if b.__module__.startswith("keras.")
+                            and not issubclass(b, ContextMixin)), None)  # (cs.enable's)
+        if keras_first is not None and mro.index(keras_first) < mro.index(ContextMixin):
+            raise TypeError(
+                f"`cs.ContextMixin` must come before the Keras classes among "
+                f"`{cls.__name__}`'s bases, or Keras's `fit`, `predict` and `__call__` "
+                f"shadow callscope's. Write `class {cls.__name__}(cs.ContextMixin, "
+                f"{', '.join(b.__name__ for b in cls.__bases__ if b is not ContextMixin)})`"
+                ", or use `cs.Model` / `cs.Sequential`. "
+                f"Received: bases={[b.__name__ for b in cls.__bases__]}")
 
     # ------------------------------------------------------------------
     # Per-model registry
