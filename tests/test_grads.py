@@ -110,14 +110,19 @@ def test_grads_match_backend_autodiff_with_sample_weights(method, mode):
 
 
 @pytest.mark.parametrize("method", ["fit", "train_on_batch"])
-def test_a_loss_scale_optimizer_never_scales_the_captured_grads(method):
+@pytest.mark.parametrize("scaling", ["LossScaleOptimizer", "loss_scale_factor"])
+def test_a_loss_scale_optimizer_never_scales_the_captured_grads(method, scaling):
     # Keras differentiates the loss times the scale (2**15 here); d loss / d point
     # is of the loss itself. On torch the grads come from the step's own backward
-    # pass, so this checks they are divided by exactly what it started from.
+    # pass, so this checks they are divided by exactly what it started from. Any
+    # optimizer's `loss_scale_factor` scales it too (the grads came 2**15 times).
     keras.utils.set_random_seed(0)
     net = Net()
-    optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.0),
-                                                    initial_scale=2.0**15)
+    if scaling == "LossScaleOptimizer":
+        optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.0),
+                                                        initial_scale=2.0**15)
+    else:
+        optimizer = keras.optimizers.SGD(0.0, loss_scale_factor=2.0**15)
     net.compile(optimizer=optimizer, loss="mse")
     net(X)
     ref = _reference_grads(net, X, Y)
@@ -126,7 +131,7 @@ def test_a_loss_scale_optimizer_never_scales_the_captured_grads(method):
             net.fit(X, Y, batch_size=6, epochs=1, shuffle=False, verbose=0)
         else:
             net.train_on_batch(X, Y)
-    assert float(numpy(optimizer.dynamic_scale)) == 2.0**15  # the step was scaled
+    assert float(numpy(optimizer.scale_loss(1.0))) == 2.0**15  # the step was scaled
     for key in ("net/b0/pre_act:grad", "net/b1:grad"):
         np.testing.assert_allclose(cap[key], ref[key], rtol=1e-5, atol=1e-7, err_msg=key)
 

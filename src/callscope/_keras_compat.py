@@ -997,10 +997,13 @@ def is_stock_step(model, kind):
 
 
 def scales_loss(optimizer) -> bool:
-    """True for an optimizer whose `scale_loss` is not the base class's identity
-    (a `LossScaleOptimizer`): the loss a train step differentiates is scaled."""
-    return (optimizer is not None
-            and type(optimizer).scale_loss is not keras.optimizers.Optimizer.scale_loss)
+    """True where the loss a train step differentiates is scaled: a
+    `LossScaleOptimizer` (its own `scale_loss`), or any optimizer given a
+    `loss_scale_factor` (the base `scale_loss` multiplies by it; keras 3.15.1:
+    optimizers/base_optimizer.py, `scale_loss`)."""
+    return optimizer is not None and (
+        type(optimizer).scale_loss is not keras.optimizers.Optimizer.scale_loss
+        or getattr(optimizer, "loss_scale_factor", None) is not None)
 
 
 def jax_stock_step(model, kind, state, data, differentiate):

@@ -20,7 +20,8 @@ it: a weightless or frozen prefix, or a layer that returns the model's inputs
 unchanged; or a loss that does not depend on it), or one it reached more than
 once, is differentiated on the outer tape, as every source is in a test step, a
 custom `train_step` (whose backward may be of another loss, or taken twice) and
-under a `LossScaleOptimizer` (a float16 gradient of the scaled loss can overflow
+under a scaled loss (a `LossScaleOptimizer`, an optimizer's `loss_scale_factor`:
+a float16 gradient of the scaled loss can overflow
 where the loss's own is finite). In a compiled step which sources the backward
 reached is known while tracing, so the outer tape costs nothing at run time
 unless a source needs it.

@@ -3,7 +3,7 @@
 In Keras's own `train_step`, hooks on the loss and on every source take their
 gradients during the step's `loss.backward()`: no second backward pass (it cost
 about a third of a step). The loss's hook gives what backward started from (1,
-or a `LossScaleOptimizer`'s scale), by which the sources' gradients are divided:
+or the optimizer's loss scale), by which the sources' gradients are divided:
 each is then d loss / d source, as Keras's unscaled loss defines it. Elsewhere
 (a test step, a custom `train_step` whose backward may not be of this loss, a
 model without trainable weights that never calls backward, or inside
