@@ -195,6 +195,9 @@ def test_an_evaluate_override_passing_kwargs_on_takes_keras_arguments():
             return super().evaluate(x=x, y=y, batch_size=batch_size,
                                     sample_weight=sample_weight, **kwargs)
 
+        def predict(self, x, **kwargs):
+            return super().predict(x, **kwargs)
+
     model = cs.enable(PassesOn([keras.Input((3,)), Deep([])]))
     model.register_context_args("debugging")
     model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
@@ -203,6 +206,25 @@ def test_an_evaluate_override_passing_kwargs_on_takes_keras_arguments():
     history = model.fit(X, Y, debugging=True, epochs=1, batch_size=2, verbose=0,
                         validation_data=(X, Y))
     assert history.history["val_loss"] == pytest.approx([1e4])
-    # A word neither takes is still refused, by Keras's own evaluate.
-    with pytest.raises(ValueError, match=r"Arguments not recognized: \{'debuging': True\}"):
-        model.evaluate(X, Y, debuging=True, verbose=0)
+    np.testing.assert_allclose(model.predict(X, debugging=True, batch_size=2, verbose=0),
+                               Y + 100.0)
+    # A word neither the override nor Keras's own method takes is still refused
+    # with callscope's error, naming the registered names.
+    for method in (model.evaluate, model.predict):
+        with pytest.raises(TypeError, match=r"unexpected keyword argument `debuging`.*"
+                           r"registered: debugging"):
+            method(X, debuging=True, verbose=0)
+
+    # An override that leaves out what Keras's own takes (and fit's validation
+    # passes) was told to register `sample_weight` as a context argument.
+    class LeavesOut(keras.Sequential):
+        def evaluate(self, x=None, y=None, verbose="auto"):
+            return super().evaluate(x, y, verbose=verbose)
+
+    model = cs.enable(LeavesOut([keras.Input((3,)), Deep([])]))
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+    with pytest.raises(TypeError, match=r"unexpected keyword argument `sample_weight`: Keras's "
+                       r"own `evaluate\(\)` takes it, but the model's class overrides "
+                       r"`evaluate\(\)` without it \(`fit`'s validation passes every one of "
+                       r"them\)\. Let the override take `\*\*kwargs` and pass them on"):
+        model.fit(X, Y, epochs=1, verbose=0, validation_data=(X, Y))

@@ -228,7 +228,7 @@ class Engine(CaptureMixin):
         # Everything below reads (and writes) Keras's arguments by name, wherever
         # the caller put them.
         args, kwargs = _bind_positional(type(self), method, args, kwargs)
-        given = self._cs_split(method, kwargs, _keras_method_parameters(type(self), method))
+        given = self._cs_split(method, kwargs, *_keras_method_parameters(type(self), method))
         captures, patches = self._cs_scopes()
         self._cs_check_stray()
         values = self._cs_resolve(given)
@@ -460,12 +460,11 @@ def _keras_signature(cls, method) -> inspect.Signature:
             if issubclass(base, Engine) or base.__module__.startswith("callscope.") or (
                     method not in vars(base)):
                 continue
-            function = getattr(base, method)
-            signature = inspect.signature(function)
+            signature = inspect.signature(getattr(base, method))
             if not any(p.kind is p.VAR_POSITIONAL for p in signature.parameters.values()):
                 break
-        _SIGNATURE_CACHE[key] = signature, function.__module__.startswith("keras.")
-    return _SIGNATURE_CACHE[key][0]
+        _SIGNATURE_CACHE[key] = signature
+    return _SIGNATURE_CACHE[key]
 
 
 def _bind_positional(cls, method, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -487,19 +486,33 @@ def _bind_positional(cls, method, args: tuple, kwargs: dict) -> tuple[tuple, dic
     return args[len(bound):], {**bound, **kwargs}
 
 
-def _keras_method_parameters(cls, method) -> set[str] | None:
-    """The keywords Keras's own `method` accepts (None: anything goes)."""
+def _keras_method_parameters(cls, method) -> tuple[set[str], set[str]]:
+    """The keywords `method` accepts: the named parameters of each override down
+    the MRO that passes `**kwargs` on (keras_hub's Tasks' `evaluate`), and of the
+    first one that does not, Keras's own in the end; and those Keras's own takes
+    (an override that leaves one out refuses what Keras passes from within)."""
     key = (cls, method)
     if key not in _PARAMETER_CACHE:
-        params = _keras_signature(cls, method).parameters
-        names = {n for n, p in params.items() if p.kind is not p.VAR_KEYWORD}
-        if method == "evaluate" and _SIGNATURE_CACHE[key][1]:  # Keras's own
-            names |= _keras_compat.PRIVATE_EVALUATE_ARGUMENTS  # fit's validation
-        elif any(p.kind is p.VAR_KEYWORD for p in params.values()):
-            # An override passing `**kwargs` on (keras_hub's Tasks' `evaluate`):
-            # Keras's own method, or the override, says what it takes.
-            names = None
-        _PARAMETER_CACHE[key] = names
+        names, own = set(), set()
+        for base in cls.__mro__:
+            if issubclass(base, Engine) or base.__module__.startswith("callscope.") or (
+                    method not in vars(base)):
+                continue
+            function = getattr(base, method)
+            params = inspect.signature(function).parameters.values()
+            names |= {p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+            if function.__module__.startswith("keras."):  # Keras's own
+                if method == "evaluate":
+                    names |= _keras_compat.PRIVATE_EVALUATE_ARGUMENTS  # fit's validation
+                break
+            if not any(p.kind is p.VAR_KEYWORD for p in params):
+                break
+        for base in cls.__mro__:
+            function = vars(base).get(method)
+            if function is not None and function.__module__.startswith("keras."):
+                own = set(inspect.signature(function).parameters)
+                break
+        _PARAMETER_CACHE[key] = names, own
     return _PARAMETER_CACHE[key]
 
 

@@ -155,14 +155,17 @@ class ContextMixin(Engine, _keras_compat.LossHook, *_JAX_HOOKS):
     # ------------------------------------------------------------------
     # Resolving values
     # ------------------------------------------------------------------
-    def _cs_split(self, method: str, kwargs: dict, allowed: set[str] | None) -> dict:
-        """Pops registered names out of `kwargs`; rejects unknown keywords."""
+    def _cs_split(self, method: str, kwargs: dict, allowed: set[str] | None,
+                  keras_own: frozenset = frozenset()) -> dict:
+        """Pops registered names out of `kwargs`; rejects unknown keywords.
+        `keras_own`: those Keras's own `method` takes, for the message."""
         names = self._cs.names
         given = {name: kwargs.pop(name) for name in list(kwargs) if name in names}
         if allowed is not None:
             for name in kwargs:
                 if name not in allowed:
-                    raise unknown_argument_error(method, name, names, kwargs[name])
+                    raise unknown_argument_error(method, name, names, kwargs[name],
+                                                 overridden=name in keras_own)
         return given
 
     # ------------------------------------------------------------------
@@ -345,8 +348,15 @@ def _registered(state) -> str:
 
 
 def unknown_argument_error(method: str, name: str, registered: set[str],
-                           value: Any) -> TypeError:
+                           value: Any, overridden: bool = False) -> TypeError:
     known = ", ".join(sorted(registered)) or "none"
+    if overridden:  # Keras's own takes it (and may pass it itself: fit's validation)
+        return TypeError(
+            f"`{method}()` got an unexpected keyword argument `{name}`: Keras's own "
+            f"`{method}()` takes it, but the model's class overrides `{method}()` without "
+            "it" + (" (`fit`'s validation passes every one of them)" if method == "evaluate"
+                    else "") + ". Let the override take `**kwargs` and pass them on to "
+            f"`super().{method}()`. Received: {name}={_keys.shown(value)}")
     return TypeError(
         f"`{method}()` got an unexpected keyword argument `{name}`. It is neither an "
         f"argument of `{method}()` nor a registered context argument "
