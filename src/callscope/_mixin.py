@@ -156,7 +156,7 @@ class ContextMixin(Engine, _keras_compat.LossHook, *_JAX_HOOKS):
     # Resolving values
     # ------------------------------------------------------------------
     def _cs_split(self, method: str, kwargs: dict, allowed: set[str] | None,
-                  keras_own: frozenset = frozenset()) -> dict:
+                  keras_own: set[str] | frozenset = frozenset()) -> dict:
         """Pops registered names out of `kwargs`; rejects unknown keywords.
         `keras_own`: those Keras's own `method` takes, for the message."""
         names = self._cs.names
