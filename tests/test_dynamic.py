@@ -102,10 +102,38 @@ def test_a_dynamic_value_keeps_its_first_dtype_and_refuses_a_lossy_cast(first, l
     with pytest.raises(error, match=message):
         with cs.context(temperature=later):
             model.evaluate(X, base, verbose=0)
+    with pytest.raises(error, match=message):  # a direct call passed it on as it was
+        model(X, temperature=later)
+    with pytest.raises(error, match=message):
+        with cs.context(temperature=later):
+            model(X)
     # What fits is held exactly, and the model runs on after a refusal.
     fits = True if isinstance(first, bool) else 3
     np.testing.assert_allclose(model.predict(X, temperature=fits, verbose=0), base / fits,
                                rtol=1e-6)
+
+
+def test_a_direct_call_checks_a_dynamic_value_as_the_entry_points_do():
+    # Before any entry point made the variable, too: on JAX 2**40 ran as 0, and
+    # everywhere 1e39 as inf and a new shape as it came.
+    model = _model([])
+    base = numpy(model(X))
+    if BACKEND == "jax":  # (its ints are int32)
+        with pytest.raises(ValueError, match=r"the value does not fit in int32.*"
+                                             r"Received: temperature=1099511627776$"):
+            model(X, temperature=2**40)
+    with pytest.raises(ValueError, match=r"the value overflows float32.*temperature=1e\+39$"):
+        model(X, temperature=1e39)
+    with pytest.raises(TypeError, match=r"takes a number, a bool or an array of them.*"
+                                        r"Received: temperature='hot'"):
+        model(X, temperature="hot")
+    np.testing.assert_allclose(numpy(model(X, temperature=2.0)), base / 2.0, rtol=1e-6)
+    model.predict(X, temperature=2.0, verbose=0)
+    with pytest.raises(ValueError, match=r"keeps the shape of its first value, \(\)"):
+        model(X, temperature=np.ones(3))
+    # The value a direct call gives a layer is the one `predict` gives it.
+    np.testing.assert_allclose(numpy(model(X, temperature=np.float64(4.0))),
+                               model.predict(X, temperature=np.float64(4.0), verbose=0))
 
 
 def test_dynamic_variables_stay_out_of_saved_weights(tmp_path):

@@ -157,30 +157,42 @@ class Engine(CaptureMixin):
                              f"`{type(self).__name__}` (which compiles the function)")
                 )
 
-    def _cs_dynamic_variable(self, name: str, value: Any) -> tuple[keras.Variable, np.ndarray]:
-        """The hidden variable of dynamic `name` (made at its first value), and the
-        value as an array of its dtype and shape."""
-        state = self._cs
+    def _cs_dynamic_array(self, name: str, value: Any) -> np.ndarray:
+        """`value` of dynamic `name` as an array of the dtype and shape its variable
+        holds (before its first value, the dtype that value would give it), or the
+        error every entry point gives: a direct call checks it as `predict` does
+        (it passed 2**40 on JAX as 0, and 1e39 as inf)."""
+        array = self._cs_dynamic_numbers(name, value)
+        variable = self._cs.dynamic.get(name)
+        if variable is not None:
+            _check_dynamic_shape(name, variable, array)
+            return _held_as(name, array, np.dtype(variable.dtype))
+        first = _held_as(name, array, _first_dtype(array))
+        held = keras.ops.convert_to_tensor(np.zeros((), first.dtype)).dtype  # (JAX: int32)
+        return _held_as(name, array, np.dtype(keras.backend.standardize_dtype(held)))
+
+    def _cs_dynamic_numbers(self, name: str, value: Any) -> np.ndarray:
         if not _keys.is_tensor_like(value):  # (a str, a dict, a list holding None)
             _check_numbers(name, value, np.asarray(value))
         array = _as_numpy(value)
         _check_numbers(name, value, array)
+        return array
+
+    def _cs_dynamic_variable(self, name: str, value: Any) -> tuple[keras.Variable, np.ndarray]:
+        """The hidden variable of dynamic `name` (made at its first value), and the
+        value as an array of its dtype and shape."""
+        state = self._cs
+        array = self._cs_dynamic_numbers(name, value)
         with state.lock:
             variable = state.dynamic.get(name)
             if variable is None:
-                dtype = keras.config.floatx() if array.dtype.kind == "f" else str(array.dtype)
-                first = _held_as(name, array, np.dtype(dtype))
+                first = _held_as(name, array, _first_dtype(array))
                 with _backend.strategy_scope(self):
                     variable = keras.Variable(first, trainable=False,
                                               name=f"callscope_{name}")
                 self._cs_add_hidden_state(variable, f"the first value of `{name}`", 0)
                 state.dynamic[name] = variable
-        if tuple(variable.shape) != array.shape:
-            raise ValueError(
-                f"Dynamic context argument `{name}` keeps the shape of its first value, "
-                f"{tuple(variable.shape)}, so that it never retraces. Pass values of "
-                f"that shape. Received: {name} with shape {array.shape}"
-            )
+        _check_dynamic_shape(name, variable, array)
         return variable, _held_as(name, array, np.dtype(variable.dtype))
 
     def _cs_add_hidden_state(self, variable, what: str, own: int) -> None:
@@ -537,6 +549,20 @@ def _check_numbers(name: str, value, array: np.ndarray) -> None:
             "them: it reaches layers as a tensor. For strings and other Python values, "
             "register a static name instead, one compiled function per value. "
             f"Received: {name}={_keys.shown(value)} (numpy dtype {array.dtype})")
+
+
+def _first_dtype(array: np.ndarray) -> np.dtype:
+    """The dtype a dynamic name's variable takes from its first value."""
+    return np.dtype(keras.config.floatx() if array.dtype.kind == "f" else array.dtype)
+
+
+def _check_dynamic_shape(name: str, variable, array: np.ndarray) -> None:
+    if tuple(variable.shape) != array.shape:
+        raise ValueError(
+            f"Dynamic context argument `{name}` keeps the shape of its first value, "
+            f"{tuple(variable.shape)}, so that it never retraces. Pass values of "
+            f"that shape. Received: {name} with shape {array.shape}"
+        )
 
 
 def _held_as(name: str, array: np.ndarray, dtype: np.dtype) -> np.ndarray:

@@ -228,11 +228,22 @@ class ContextMixin(Engine, _keras_compat.LossHook, *_JAX_HOOKS):
             frame = _scope.overlay({**dict.fromkeys(state.names), **values}, keyed=True)
             # (A value given to this model, nested, is its own: not its siblings'.)
             with _scope.pushed(frame), _keras_compat.restored_call_context(state.names):
-                kwargs.update({n: _delivered(v, n in state.dynamic) for n, v in values.items()})
+                kwargs.update({n: _delivered(self._cs_direct_value(n, v, tracing),
+                                             n in state.dynamic) for n, v in values.items()})
                 return super().__call__(*args, **kwargs)
         finally:
             if gate is not None:
                 gate.exit(token)
+
+    def _cs_direct_value(self, name: str, value: Any, tracing: bool) -> Any:
+        """A value a direct call passes: a dynamic one checked as the entry points
+        check it, in the dtype its variable holds. Not a tensor being traced (its
+        numbers are not known), nor under `torch.compile` (dynamo would break its
+        graph on the checks)."""
+        if (name not in self._cs.dynamic or isinstance(value, keras.Variable)
+                or (tracing and (_keys.is_tensor_like(value) or _backend.BACKEND == "torch"))):
+            return value
+        return self._cs_dynamic_array(name, value)
 
     def _cs_call_scopes(self, tracing: bool) -> tuple[tuple, tuple]:
         """The captures and patches that a direct call (not a step's) runs under."""
@@ -280,7 +291,8 @@ class ContextMixin(Engine, _keras_compat.LossHook, *_JAX_HOOKS):
         for name, value in values.items():
             if isinstance(value, keras.Variable) and id(value) in hidden:
                 value = non_trainable_variables[hidden[id(value)]]
-            delivered[name] = _delivered(value, name in state.dynamic)
+            delivered[name] = _delivered(self._cs_direct_value(name, value, tracing),
+                                         name in state.dynamic)
             if name in state.dynamic:  # (in the dtype a call of the model gives)
                 delivered[name] = _keras_compat.as_call_argument(self, delivered[name])
         pushed = {**dict.fromkeys(state.names), **values}
