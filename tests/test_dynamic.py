@@ -131,6 +131,12 @@ def test_a_direct_call_checks_a_dynamic_value_as_the_entry_points_do():
     model.predict(X, temperature=2.0, verbose=0)
     with pytest.raises(ValueError, match=r"keeps the shape of its first value, \(\)"):
         model(X, temperature=np.ones(3))
+    state = ([v.value for v in model.trainable_variables],
+             [v.value for v in model.non_trainable_variables])
+    with pytest.raises(ValueError, match=r"the value overflows float32"):
+        model.stateless_call(*state, X, temperature=1e39)
+    np.testing.assert_allclose(numpy(model.stateless_call(*state, X, temperature=4.0)[0]),
+                               base / 4.0, rtol=1e-6)
     # The value a direct call gives a layer is the one `predict` gives it.
     np.testing.assert_allclose(numpy(model(X, temperature=np.float64(4.0))),
                                model.predict(X, temperature=np.float64(4.0), verbose=0))

@@ -289,10 +289,10 @@ class ContextMixin(Engine, _keras_compat.LossHook, *_JAX_HOOKS):
         hidden = {id(v): i for i, v in enumerate(self.non_trainable_variables)}
         delivered = {}
         for name, value in values.items():
+            value = self._cs_direct_value(name, value, tracing)
             if isinstance(value, keras.Variable) and id(value) in hidden:
                 value = non_trainable_variables[hidden[id(value)]]
-            delivered[name] = _delivered(self._cs_direct_value(name, value, tracing),
-                                         name in state.dynamic)
+            delivered[name] = _delivered(value, name in state.dynamic)
             if name in state.dynamic:  # (in the dtype a call of the model gives)
                 delivered[name] = _keras_compat.as_call_argument(self, delivered[name])
         pushed = {**dict.fromkeys(state.names), **values}
