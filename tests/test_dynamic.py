@@ -137,6 +137,27 @@ def test_a_direct_call_checks_a_dynamic_value_as_the_entry_points_do():
         model.stateless_call(*state, X, temperature=1e39)
     np.testing.assert_allclose(numpy(model.stateless_call(*state, X, temperature=4.0)[0]),
                                base / 4.0, rtol=1e-6)
+    # A tensor goes as it is: a gradient with respect to it stays connected (a
+    # first version of the check made it an array, cut from the graph).
+    total = float(np.sum(base))
+    if BACKEND == "jax":
+        import jax
+
+        grad = jax.grad(lambda t: keras.ops.sum(model(X, temperature=t)))(2.0)
+    elif BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        t = tf.Variable(2.0)
+        with tf.GradientTape() as tape:
+            out = keras.ops.sum(model(X, temperature=t))
+        grad = tape.gradient(out, t)
+    else:
+        import torch
+
+        t = torch.tensor(2.0, requires_grad=True)
+        keras.ops.sum(model(X, temperature=t)).backward()
+        grad = t.grad
+    assert float(numpy(grad)) == pytest.approx(-total / 4.0, rel=1e-5)  # d (sum/t) / dt
     # The value a direct call gives a layer is the one `predict` gives it.
     np.testing.assert_allclose(numpy(model(X, temperature=np.float64(4.0))),
                                model.predict(X, temperature=np.float64(4.0), verbose=0))

@@ -236,12 +236,15 @@ class ContextMixin(Engine, _keras_compat.LossHook, *_JAX_HOOKS):
                 gate.exit(token)
 
     def _cs_direct_value(self, name: str, value: Any, tracing: bool) -> Any:
-        """A value a direct call passes: a dynamic one checked as the entry points
-        check it, in the dtype its variable holds. Not a tensor being traced (its
-        numbers are not known), nor under `torch.compile` (dynamo would break its
-        graph on the checks)."""
-        if (name not in self._cs.dynamic or isinstance(value, keras.Variable)
-                or (tracing and (_keys.is_tensor_like(value) or _backend.BACKEND == "torch"))):
+        """A value a direct call passes: a dynamic Python or numpy number checked as
+        the entry points check it, in the dtype its variable holds. A tensor goes
+        as it is: the layers get it uncast (nothing to check a cast for), and a
+        gradient or JAX transform with respect to it (`jax.grad`, a tape, torch's
+        backward) stays connected. Nothing under `torch.compile`, whose graph the
+        checks would break."""
+        if (name not in self._cs.dynamic or (tracing and _backend.BACKEND == "torch")
+                or (_keys.is_tensor_like(value)
+                    and not isinstance(value, np.ndarray | np.generic))):
             return value
         return self._cs_dynamic_array(name, value)
 
