@@ -1,6 +1,7 @@
 """One compiled function per static value: no retrace when switching, no stale trace."""
 
 import math
+import re
 import warnings
 
 import keras
@@ -90,6 +91,20 @@ def test_compile_again_clears_the_cache():
     net.predict(X, mode="double", verbose=0)
     net.predict(X, verbose=0)
     assert builds["predict"] == 4
+
+
+@pytest.mark.parametrize("size", [None, 0, -1, 2.5, True])
+def test_a_cache_size_the_table_cannot_keep_is_refused(size):
+    # None failed on a bare `int()` at a new key; 0 and -1 silently meant 1.
+    net, _ = _counting_model()
+    net.context_cache_size = size
+    with pytest.raises(ValueError, match=r"`context_cache_size` is how many distinct "
+                       r"non-default keys .*a whole number, 1 or more .*Received: "
+                       rf"context_cache_size={re.escape(repr(size))}$"):
+        net.predict(X, mode="double", verbose=0)
+    net.context_cache_size = 1
+    np.testing.assert_allclose(net.predict(X, mode="double", verbose=0),
+                               net.predict(X, verbose=0) * 2, rtol=1e-6)
 
 
 def test_the_cache_is_bounded_and_evicts_with_a_warning():

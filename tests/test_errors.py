@@ -379,3 +379,29 @@ def test_the_mixin_after_a_keras_class_is_refused():
     with cs.capture(net, "net/h") as cap:
         net.predict(np.ones((2, 2), "float32"), verbose=0)
     np.testing.assert_array_equal(cap["net/h:output"], np.full((2, 2), 2.0))
+
+
+def test_a_scope_a_callback_opens_during_fit_is_not_that_fits():
+    # Its message only said to register a name the model had registered.
+    model = cs.Sequential([keras.Input((4,)), HalvesWhenDebugging(name="h")])
+    model.register_context_args("debugging")
+    model.compile(optimizer="sgd", loss="mse")
+    scopes = []
+
+    class Opens(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            scopes.append(cs.context(debugging=True))
+            scopes[-1].__enter__()
+
+        def on_train_batch_end(self, batch, logs=None):
+            scopes.pop().__exit__(None, None, None)
+
+    try:
+        with pytest.raises(RuntimeError, match=r"A scope opened while a call runs \(in a "
+                           r"callback of `fit`\) is not that call's either: .*pass the value "
+                           r"to the call itself \(`fit\(\.\.\., debugging=\.\.\.\)`\)"):
+            model.fit(np.ones((4, 4), "float32"), np.ones((4, 3), "float32"), verbose=0,
+                      callbacks=[Opens()])
+    finally:
+        while scopes:
+            scopes.pop().__exit__(None, None, None)

@@ -239,6 +239,7 @@ class Engine(CaptureMixin):
         state = self._cs
         # Everything below reads (and writes) Keras's arguments by name, wherever
         # the caller put them.
+        _check_cache_size(self.context_cache_size)
         args, kwargs = _bind_positional(type(self), method, args, kwargs)
         given = self._cs_split(method, kwargs, *_keras_method_parameters(type(self), method))
         captures, patches = self._cs_scopes()
@@ -549,6 +550,16 @@ def _check_numbers(name: str, value, array: np.ndarray) -> None:
             "them: it reaches layers as a tensor. For strings and other Python values, "
             "register a static name instead, one compiled function per value. "
             f"Received: {name}={_keys.shown(value)} (numpy dtype {array.dtype})")
+
+
+def _check_cache_size(size) -> None:
+    """A bound the key table can keep (None failed later on a bare `int()`, and 0
+    or -1 kept one key without a word)."""
+    if isinstance(size, bool) or not isinstance(size, int | np.integer) or size < 1:
+        raise ValueError(
+            "`context_cache_size` is how many distinct non-default keys keep their "
+            "compiled functions: a whole number, 1 or more (default "
+            f"{DEFAULT_CACHE_SIZE}). Received: context_cache_size={size!r}")
 
 
 def _first_dtype(array: np.ndarray) -> np.dtype:

@@ -142,7 +142,9 @@ STRAY_VALUE = (
     "compile yourself (`jax.jit`, `tf.function`), or `cs.intermediate_grads`'s "
     "`loss_fn` on JAX (traced there), pass the value to the model's call instead "
     "(`model(x, {name}=...)`, `model.stateless_call(..., {name}=...)`), where the "
-    "trace sees it. Received: {name}={value!r}"
+    "trace sees it. A scope opened while a call runs (in a callback of `fit`) is not "
+    "that call's either: its values were fixed when it began; pass the value to the "
+    "call itself (`fit(..., {name}=...)`). Received: {name}={value!r}"
 )
 
 
