@@ -381,27 +381,79 @@ def test_the_mixin_after_a_keras_class_is_refused():
     np.testing.assert_array_equal(cap["net/h:output"], np.full((2, 2), 2.0))
 
 
-def test_a_scope_a_callback_opens_during_fit_is_not_that_fits():
-    # Its message only said to register a name the model had registered.
+@pytest.mark.parametrize("traced", [False, True], ids=["first-call", "compiled"])
+@pytest.mark.parametrize("method, scope", [
+    ("fit", "context"), ("fit", "capture"), ("evaluate", "patch"), ("predict", "capture")])
+def test_a_scope_a_callback_opens_during_a_call_is_refused_at_the_next_step(
+        traced, method, scope):
+    # A JAX or TF step already compiled ran on without it, silently (a capture
+    # stayed empty, a patch or context value unapplied); torch and a first trace
+    # raised for a context value, torch captured from its eager step.
     model = cs.Sequential([keras.Input((4,)), HalvesWhenDebugging(name="h")])
     model.register_context_args("debugging")
     model.compile(optimizer="sgd", loss="mse")
+    x, y = np.ones((8, 4), "float32"), np.ones((8, 3), "float32")
+    data = (x, y) if method != "predict" else (x,)
+    if traced:
+        getattr(model, method)(*data, batch_size=4, verbose=0)
+    weights = [numpy(w) for w in model.weights]
+    opened = {"context": lambda: cs.context(debugging=True),
+              "capture": lambda: cs.capture(model, "*/h"),
+              "patch": lambda: cs.patch(model, {"*/h": lambda v: v * 0.0})}[scope]
+    hook = {"fit": "train", "evaluate": "test", "predict": "predict"}[method]
     scopes = []
 
     class Opens(keras.callbacks.Callback):
-        def on_train_batch_begin(self, batch, logs=None):
-            scopes.append(cs.context(debugging=True))
-            scopes[-1].__enter__()
+        pass
 
-        def on_train_batch_end(self, batch, logs=None):
-            scopes.pop().__exit__(None, None, None)
+    def begin(self, batch, logs=None):
+        scopes.append(opened())
+        scopes[-1].__enter__()
 
+    setattr(Opens, f"on_{hook}_batch_begin", begin)
+    setattr(Opens, f"on_{hook}_batch_end",
+            lambda self, batch, logs=None: scopes.pop().__exit__(None, None, None))
+    what = {"context": r"`cs.context\(debugging=True\)`", "capture": "A `cs.capture`",
+            "patch": "A `cs.patch`"}[scope]
+    fix = {"context": r"pass the value to the call \(`fit\(\.\.\., debugging=\.\.\.\)`\)",
+           "capture": r"open it around the call \(`with cs.capture\(\.\.\.\): model."
+                      + method, "patch": r"open it around the call \(`with cs.patch"}[scope]
+    received = {"context": "debugging=True", "capture": "a capture of `sequential",
+                "patch": r"patches=\['\*/h'\]"}[scope]
     try:
-        with pytest.raises(RuntimeError, match=r"A scope opened while a call runs \(in a "
-                           r"callback of `fit`\) is not that call's either: .*pass the value "
-                           r"to the call itself \(`fit\(\.\.\., debugging=\.\.\.\)`\)"):
-            model.fit(np.ones((4, 4), "float32"), np.ones((4, 3), "float32"), verbose=0,
-                      callbacks=[Opens()])
+        with pytest.raises(RuntimeError, match=what + f" was opened while `{method}` runs "
+                           r"\(in a callback\), and is not that call's: .* Fix: " + fix
+                           + r".*make a call of its own inside the scope.* Received: "
+                           + received):
+            getattr(model, method)(*data, batch_size=4, verbose=0, callbacks=[Opens()])
     finally:
         while scopes:
             scopes.pop().__exit__(None, None, None)
+    # Refused before its first step: the weights are those before the call (on JAX
+    # too, where the loop holds them), and the model runs on.
+    for before, after in zip(weights, model.weights):
+        np.testing.assert_array_equal(numpy(after), before)
+    np.testing.assert_allclose(numpy(model(x)), model.predict(x, verbose=0), rtol=1e-6)
+
+
+def test_a_scope_a_callback_opens_with_the_calls_own_value_or_closes_is_no_error():
+    model = cs.Sequential([keras.Input((4,)), HalvesWhenDebugging(name="h")])
+    model.register_context_args("debugging")
+    x = np.ones((8, 4), "float32")
+    seen = []
+
+    class Same(keras.callbacks.Callback):
+        def on_predict_batch_begin(self, batch, logs=None):
+            self.scope = cs.context(debugging=True)
+            self.scope.__enter__()
+
+        def on_predict_batch_end(self, batch, logs=None):
+            self.scope.__exit__(None, None, None)
+            with cs.context(debugging=False), cs.capture(model, "*/h") as cap:
+                self.model.predict_on_batch(x[:2])  # a call of its own inside them
+            seen.append(cap["sequential/h:output"])
+
+    halved = model.predict(x, batch_size=4, verbose=0, debugging=True, callbacks=[Same()])
+    np.testing.assert_allclose(halved * 2.0, model.predict(x, verbose=0), rtol=1e-6)
+    assert len(seen) == 2
+    np.testing.assert_allclose(seen[0], halved[:2] * 2.0, rtol=1e-6)

@@ -223,6 +223,11 @@ class Engine(CaptureMixin):
     def _cs_scopes(self) -> tuple[tuple, tuple]:
         """The caller's open captures and patches of this model or of a callscope
         model inside it (its layers record wherever it is called from)."""
+        ours = self._cs_owns()
+        return _scope.captures_where(ours), _scope.patches_where(ours)
+
+    def _cs_owns(self):
+        """A test of whether a capture's or patch's model is this one, or inside it."""
         inside = None
 
         def ours(model) -> bool:
@@ -233,7 +238,7 @@ class Engine(CaptureMixin):
                 inside = {id(layer) for layer in _keras_compat.flatten_layers(self)}
             return id(model) in inside
 
-        return _scope.captures_where(ours), _scope.patches_where(ours)
+        return ours
 
     def _cs_run(self, method: str, args: tuple, kwargs: dict) -> Any:
         state = self._cs
@@ -284,7 +289,8 @@ class Engine(CaptureMixin):
             try:  # the run ends whatever happens: a capture's exit waits for its calls
                 run = Run(self, method, entry, tuple(dynamic), calls, patches, nested,
                           _keras_compat.replicas(self) > 1, offset,
-                          tuple(c.spec for c in captures if c.spec.finds_ranges()), landing)
+                          tuple(c.spec for c in captures if c.spec.finds_ranges()), landing,
+                          (frame, *_scope.scopes_now()[1:]))
                 logging = next((i for i, c in enumerate(captures) if c.log), None)
                 first = ()  # callscope's own callbacks, before the user's
                 if method == "fit" and logging is not None:

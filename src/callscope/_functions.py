@@ -132,7 +132,7 @@ class RunFunction:
         model, function = self.model, self.__wrapped__
         run = _scope.run_of(model)
         if run is not None:
-            run.stop_if_failed(model, self.kind, args)
+            run.check_before_step(model, self.kind, args)
         if run is not None and run.ranges and any(s.ranges.pending(self.kind)
                                                   for s in run.ranges):
             # Histogram ranges come from the batch this first step sees, fixed

@@ -29,7 +29,7 @@ from typing import Any
 
 import keras
 
-from callscope import _backend, _inputs, _keras_compat
+from callscope import _backend, _inputs, _keras_compat, _keys, _scope
 
 
 
@@ -48,6 +48,7 @@ class Run:
     offset: Any = None  # RowOffset, for patches that take the batch
     ranges: tuple = ()  # specs whose histogram ranges the first step fixes
     host: Any = None  # _sinks.Landing: the calls' values on their way to the host
+    scopes: tuple = ()  # the caller's scopes as the call began (`_scope.scopes_now`)
     # kind of step -> its dynamic inputs (`_inputs.py`), made at its first step
     inputs: dict = field(default_factory=dict)
 
@@ -73,9 +74,9 @@ class Run:
         if self.host is not None:
             self.host.put(kind, sown)
 
-    def stop_if_failed(self, model, kind: str, args: tuple) -> None:
-        """Raises what failed in a sink, before the step of `kind` that `args`
-        start: the loop stops there.
+    def check_before_step(self, model, kind: str, args: tuple) -> None:
+        """Raises, before the step of `kind` that `args` start, what failed in a
+        sink, or a scope opened while the call runs (the loop stops there).
 
         Not Keras's `stop_*` flags: they belong to the model, so another thread's
         loop on it would stop too. And not at the failing step's end: on JAX, the
@@ -84,16 +85,76 @@ class Run:
         (`_keras_compat.keep_loop_state`: after validation, or a callback's
         predict, it is the only copy of the weights), and the failed call puts it
         back (`_keras_compat.restore_purged_values`)."""
-        if self.host is None or self.host.failure is None:
+        problem = self.host.failure if self.host is not None else None
+        if problem is None and self.scopes:
+            problem = self._opened_since(model)
+        if problem is None:
             return
         if keras.backend.backend() == "jax":
             _keras_compat.keep_loop_state(model, kind, args[0])
-        raise self.host.failure
+        raise problem
+
+    def _opened_since(self, model) -> Exception | None:
+        """A scope the caller opened after the call began (a callback's, kept open
+        across steps) that the call would otherwise ignore: its key, captures and
+        patches were fixed when it began, and a compiled JAX or TF step runs no
+        Python again (torch's eager step did see some of it, on one backend only).
+        Compared by identity at every step: a scope closed before the next step
+        (a callback's own `predict` inside it) leaves the same objects behind."""
+        frame, captures, patches = now = _scope.scopes_now()
+        if all(a is b for a, b in zip(now, self.scopes)):
+            return None
+        began, captured, patched = self.scopes
+        readable = set(model._cs.names) | set(self.entry.reads)
+        for name, value in frame.values.items():
+            if value is not None and name in readable and not _same_value(
+                    began.values.get(name), value):
+                return _scope.StrayValueError(_opened(
+                    f"`cs.context({name}={value!r})`", self.method,
+                    f"`{name}` stays {began.values.get(name)!r}",
+                    f"pass the value to the call (`{self.method}(..., {name}=...)`)",
+                    f"{name}={value!r}"))
+        owns = model._cs_owns()
+        for capture in captures:
+            if not any(capture is c for c in captured) and owns(capture.model):
+                return RuntimeError(_opened(
+                    "A `cs.capture`", self.method, "the capture stays empty",
+                    f"open it around the call (`with cs.capture(...): model."
+                    f"{self.method}(...)`)", f"a capture of `{capture.model.name}`"))
+        for item in patches:
+            if not any(item is p for p in patched) and owns(item[0]):
+                return RuntimeError(_opened(
+                    "A `cs.patch`", self.method, "its points stay unpatched",
+                    f"open it around the call (`with cs.patch(...): model."
+                    f"{self.method}(...)`)", f"patches={sorted(item[1])}"))
+        return None
 
     def end(self, error: BaseException | None = None) -> None:
         """The run ended (or raised `error`): the last values land, files close."""
         if self.host is not None:
             self.host.end(error)
+
+
+def _opened(what: str, method: str, effect: str, fix: str, received: str) -> str:
+    return (
+        f"{what} was opened while `{method}` runs (in a callback), and is not that "
+        f"call's: a call's context values, captures and patches are fixed when it "
+        f"begins, so its steps would go on without the scope ({effect}). Fix: {fix}; or, "
+        f"in the callback, make a call of its own inside the scope "
+        f"(`model.predict(...)`), which sees it. Received: {received}")
+
+
+def _same_value(before: Any, now: Any) -> bool:
+    """Whether a value set again is the one the call keys on (as a key tells
+    values apart; a tensor only as itself)."""
+    if before is now:
+        return True
+    if before is None or _keys.is_tensor_like(before) or _keys.is_tensor_like(now):
+        return False
+    try:
+        return _keys.freeze(before) == _keys.freeze(now)
+    except Exception:  # noqa: BLE001 (a value whose `==` raises: not the same)
+        return False
 
 
 class RowOffset:

@@ -417,6 +417,13 @@ def patches_for(model) -> tuple:
     return patches_where(lambda m: m is model)
 
 
+def scopes_now() -> tuple:
+    """The caller's scopes as they stand: (frame, captures, patches). A run keeps
+    them as it begins, and compares them by identity before each step
+    (`Run.check_before_step`)."""
+    return _FRAME.get(), _CAPTURES.get(), _PATCHES.get()
+
+
 def running(run):
     return opened(_RUNS, run)
 

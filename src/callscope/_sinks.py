@@ -294,7 +294,7 @@ class Landing:
     `put` never raises: it runs inside Keras's loop, where an exception would lose
     the JAX loop's state (its weights are donated to each step). A failure (the
     writer's, or a streamed key that changed shape) stops the sinks and is kept
-    in `failure`; the run raises it before its next step (`Run.stop_if_failed`),
+    in `failure`; the run raises it before its next step (`Run.check_before_step`),
     or `end` does if there is none. (A step of statistics may land up to
     `STATS_AHEAD` steps after it ran, so its failure surfaces as late.)
     """
