@@ -258,8 +258,8 @@ def test_a_point_called_twice_gets_at_indices():
                                    2 * ((2 * (X @ w + b)) @ w + b), rtol=1e-5)
     with pytest.raises(ValueError, match=r"never reached \['twice/shared@0'\] in this "
                        r"`predict`: .* \['twice/shared@0'\] name single calls of a point "
-                       r"reached more than once \(a shared layer\), as `cs.points` lists "
-                       r"them; a patch applies to every call of its point: patch "
+                       r"that runs more than once \(a shared layer\), as `cs.points` lists "
+                       r"them: a patch applies to every call of its point: patch "
                        r"\['twice/shared'\] instead\."):
         with cs.patch(model, {"twice/shared@0": lambda v: v}):
             model.predict(X, verbose=0)

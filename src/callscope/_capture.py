@@ -380,8 +380,8 @@ class Capture(Mapping):
             raise ValueError(message)
         for glob in self.spec.select if isinstance(self.spec.select, tuple) else ():
             matched = [p for p in model._cs.seen if fnmatch.fnmatchcase(p, glob)]
-            if matched and not any(set(self.spec.kinds) & _SORT_KINDS[model._cs.seen[p]]
-                                   for p in matched):
+            if matched and all(set(self.spec.kinds).isdisjoint(_SORTS[model._cs.seen[p]][1])
+                               for p in matched):
                 raise ValueError(_no_kind(
                     matched, model._cs.seen, self.spec.select, self.spec.kinds,
                     f"cs.capture: the glob {glob!r} of `select` selected nothing "
@@ -424,13 +424,12 @@ class Capture(Mapping):
 
 
 # What each sort of point is (`_capturing._sorts`), and the kinds it has.
+# Each sort of point: what it is, and the kinds it has (every sort has `grad`).
 _SORTS = {
-    "sown": ("a sown value", "only `output`"),
-    "element": ("an element of a layer's output", "only `output`"),
-    "layer": ("a layer's call", "`output` and `input`"),
+    "sown": ("a sown value", ("output", "grad")),
+    "element": ("an element of a layer's output", ("output", "grad")),
+    "layer": ("a layer's call", ("output", "input", "grad")),
 }
-_SORT_KINDS = {"sown": {"output", "grad"}, "element": {"output", "grad"},
-               "layer": {"output", "input", "grad"}}
 
 
 def _no_kind(matched: list[str], seen: Mapping[str, str], wanted, kinds,
@@ -441,7 +440,9 @@ def _no_kind(matched: list[str], seen: Mapping[str, str], wanted, kinds,
         groups.setdefault(seen[point], []).append(point)
     parts = []
     for sort, points in groups.items():
-        what, has = _SORTS[sort]
+        what, kinds_of = _SORTS[sort]
+        has = " and ".join(f"`{k}`" for k in kinds_of if k != "grad")
+        has = has if " and " in has else f"only {has}"
         one = len(points) == 1
         more = "" if len(points) <= 8 else f" (and {len(points) - 8} more)"
         parts.append(f"{', '.join(f'`{p}`' for p in points[:8])}{more} "

@@ -18,7 +18,7 @@ import keras
 import numpy as np
 
 from callscope import _backend, _grads, _keras_compat, _record, _scope, _steps
-from callscope._points import loop_points, nearest, single_calls, tree_points
+from callscope._points import loop_points, nearest, single_calls_hint, tree_points
 from callscope._capture import begin_calls
 from callscope._run import Run
 
@@ -197,11 +197,7 @@ def check_reached(patches, method: str, hits: set, known=list, loops=None) -> No
         raise _record.LoopPointError(_record.loop_message(*next(iter(inside.items()))))
     # `cs.points` lists each call of a shared layer as `point@i`, as captures
     # key it; a patch names the point, and applies to every call of it.
-    calls = single_calls(points, known)
-    hint = (f" {sorted(calls)} name single calls of a point reached more than once "
-            "(a shared layer), as `cs.points` lists them; a patch applies to every "
-            f"call of its point: patch {sorted(set(calls.values()))} instead."
-            if calls else "")
+    hint = single_calls_hint(points, known, patching=True)
     near = f" Nearest points: {nearest(points, known)}." if known else ""
     raise ValueError(
         f"cs.patch never reached {points} in this `{method}`: no layer or sown "

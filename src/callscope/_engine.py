@@ -27,7 +27,7 @@ import contextlib
 import inspect
 import threading
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import keras
 import numpy as np
@@ -246,7 +246,8 @@ class Engine(CaptureMixin):
         # the caller put them.
         _check_cache_size(self.context_cache_size)
         args, kwargs = _bind_positional(type(self), method, args, kwargs)
-        given = self._cs_split(method, kwargs, *_keras_method_parameters(type(self), method))
+        known = _keras_method(type(self), method)
+        given = self._cs_split(method, kwargs, known.accepted, known.keras_own)
         captures, patches = self._cs_scopes()
         self._cs_check_stray()
         values = self._cs_resolve(given)
@@ -465,25 +466,54 @@ class Engine(CaptureMixin):
         return _keras_compat.compile_from_config(self, config, Engine.compile)
 
 
-_PARAMETER_CACHE: dict = {}
-_SIGNATURE_CACHE: dict = {}
+class _KerasMethod(NamedTuple):
+    """What the wrapper of entry point `method` needs from the methods below it."""
+
+    signature: inspect.Signature  # binds positional arguments as they would be
+    accepted: frozenset  # the keywords `method` accepts
+    keras_own: frozenset  # those Keras's own `method` takes
 
 
-def _keras_signature(cls, method) -> inspect.Signature:
-    """The signature of Keras's own `method` (the one our wrapper calls), per class."""
+_METHOD_CACHE: dict = {}
+
+
+def _keras_method(cls, method) -> _KerasMethod:
+    """`method` down `cls`'s MRO, below callscope's wrapper, in one walk (per class).
+
+    - signature: the first override that names its parameters: one `fit(self,
+      *args, **kwargs)` passing them on binds as Keras's own does;
+    - accepted: the named parameters of each override that passes `**kwargs` on
+      (keras_hub's Tasks' `evaluate`), and of the first one that does not, Keras's
+      own in the end (with the private ones fit's validation passes);
+    - keras_own: those Keras's own takes (an override that leaves one out refuses
+      what Keras passes from within)."""
     key = (cls, method)
-    if key not in _SIGNATURE_CACHE:
-        # The first class's own method that names its parameters: an override
-        # `fit(self, *args, **kwargs)` passing them on binds as Keras's does.
-        for base in cls.__mro__:
-            if issubclass(base, Engine) or base.__module__.startswith("callscope.") or (
-                    method not in vars(base)):
-                continue
-            signature = inspect.signature(getattr(base, method))
-            if not any(p.kind is p.VAR_POSITIONAL for p in signature.parameters.values()):
-                break
-        _SIGNATURE_CACHE[key] = signature
-    return _SIGNATURE_CACHE[key]
+    found = _METHOD_CACHE.get(key)
+    if found is not None:
+        return found
+    signature, accepted, accepting = None, set(), True
+    for base in cls.__mro__:
+        if issubclass(base, Engine) or base.__module__.startswith("callscope.") or (
+                method not in vars(base)):
+            continue
+        function = getattr(base, method)
+        here = inspect.signature(function)
+        parameters = here.parameters
+        kinds = {p.kind for p in parameters.values()}
+        if signature is None and inspect.Parameter.VAR_POSITIONAL not in kinds:
+            signature = here
+        keras_own = function.__module__.startswith("keras.")
+        if accepting:
+            accepted |= {p.name for p in parameters.values()
+                         if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+            if keras_own and method == "evaluate":
+                accepted |= _keras_compat.PRIVATE_EVALUATE_ARGUMENTS  # fit's validation
+            accepting = inspect.Parameter.VAR_KEYWORD in kinds
+        if keras_own:  # the walk ends
+            found = _KerasMethod(signature or here, frozenset(accepted), frozenset(parameters))
+            break
+    _METHOD_CACHE[key] = found
+    return found
 
 
 def _bind_positional(cls, method, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -494,8 +524,8 @@ def _bind_positional(cls, method, args: tuple, kwargs: dict) -> tuple[tuple, dic
     if not args:
         return args, kwargs
     names = []
-    for parameter in list(_keras_signature(cls, method).parameters.values())[1:]:  # self
-        if parameter.kind is not parameter.POSITIONAL_OR_KEYWORD:
+    for parameter in list(_keras_method(cls, method).signature.parameters.values())[1:]:
+        if parameter.kind is not parameter.POSITIONAL_OR_KEYWORD:  # ([0] is self)
             break
         names.append(parameter.name)
     bound = dict(zip(names, args))
@@ -503,36 +533,6 @@ def _bind_positional(cls, method, args: tuple, kwargs: dict) -> tuple[tuple, dic
         if name in kwargs:
             raise TypeError(f"{method}() got multiple values for argument '{name}'")
     return args[len(bound):], {**bound, **kwargs}
-
-
-def _keras_method_parameters(cls, method) -> tuple[set[str], set[str]]:
-    """The keywords `method` accepts: the named parameters of each override down
-    the MRO that passes `**kwargs` on (keras_hub's Tasks' `evaluate`), and of the
-    first one that does not, Keras's own in the end; and those Keras's own takes
-    (an override that leaves one out refuses what Keras passes from within)."""
-    key = (cls, method)
-    if key not in _PARAMETER_CACHE:
-        names, own = set(), set()
-        for base in cls.__mro__:
-            if issubclass(base, Engine) or base.__module__.startswith("callscope.") or (
-                    method not in vars(base)):
-                continue
-            function = getattr(base, method)
-            params = inspect.signature(function).parameters.values()
-            names |= {p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
-            if function.__module__.startswith("keras."):  # Keras's own
-                if method == "evaluate":
-                    names |= _keras_compat.PRIVATE_EVALUATE_ARGUMENTS  # fit's validation
-                break
-            if not any(p.kind is p.VAR_KEYWORD for p in params):
-                break
-        for base in cls.__mro__:
-            function = vars(base).get(method)
-            if function is not None and function.__module__.startswith("keras."):
-                own = set(inspect.signature(function).parameters)
-                break
-        _PARAMETER_CACHE[key] = names, own
-    return _PARAMETER_CACHE[key]
 
 
 def _as_numpy(value) -> np.ndarray:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import inspect
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Set
 from typing import Any
 
 import keras
@@ -155,8 +155,8 @@ class ContextMixin(Engine, _keras_compat.LossHook, *_JAX_HOOKS):
     # ------------------------------------------------------------------
     # Resolving values
     # ------------------------------------------------------------------
-    def _cs_split(self, method: str, kwargs: dict, allowed: set[str] | None,
-                  keras_own: set[str] | frozenset = frozenset()) -> dict:
+    def _cs_split(self, method: str, kwargs: dict, allowed: Set[str] | None,
+                  keras_own: Set[str] = frozenset()) -> dict:
         """Pops registered names out of `kwargs`; rejects unknown keywords.
         `keras_own`: those Keras's own `method` takes, for the message."""
         names = self._cs.names

@@ -124,14 +124,18 @@ def single_calls(names, points: list[str]) -> dict[str, str]:
     return {n: n.rpartition("@")[0] for n in names if n.rpartition("@")[0] in points}
 
 
-def single_calls_hint(names, points: list[str]) -> str:
-    """The hint (or "") for selected `names` that name one call `point@i` of a point
-    that runs more than once."""
+def single_calls_hint(names, points: list[str], *, patching: bool = False) -> str:
+    """The hint (or "") for `names` that name one call `point@i` of a point that
+    runs more than once: select the point, or (`patching`) patch it."""
     calls = single_calls(names, points)
+    if not calls:
+        return ""
+    whole = sorted(set(calls.values()))
+    fix = (f"a patch applies to every call of its point: patch {whole} instead"
+           if patching else
+           f"select the point ({whole}), whose keys are `<point>@0:...`, `<point>@1:...`")
     return (f" {sorted(calls)} name single calls of a point that runs more than once (a "
-            "shared layer), as `cs.points` lists them: select the point "
-            f"({sorted(set(calls.values()))}), whose keys are `<point>@0:...`, "
-            "`<point>@1:...`." if calls else "")
+            f"shared layer), as `cs.points` lists them: {fix}.")
 
 
 def unmatched_globs(select, ran: list[str], who: str, where: str, rest: str) -> str | None:
