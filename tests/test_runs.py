@@ -7,6 +7,7 @@ wording of a clear error.
 
 import contextvars
 import math
+import re
 import threading
 import time
 
@@ -836,6 +837,56 @@ def test_asyncio_tasks_each_see_their_own_scope():
 
     assert asyncio.run(main()) == ["a", "b"]
     assert cs.current("mode") is None
+
+
+@pytest.mark.parametrize("scope", ["context", "capture", "patch"])
+def test_a_scope_exited_in_another_thread_stays_open_for_the_right_exit(scope):
+    # The exit raised Python's bare ValueError ("created in a different Context"),
+    # and a generator's scope (context, patch) was over then: it stayed open in the
+    # thread that entered it for good, and the right exit did nothing.
+    model = _seq()
+    opened = {"context": lambda: cs.context(mode="a"),
+              "capture": lambda: cs.capture(model, "s/d"),
+              "patch": lambda: cs.patch(model, {"s/d": lambda v: v * 0.0 + 7.0})}[scope]()
+    what = {"context": r"`cs.context\(mode='a'\)`", "capture": "A `cs.capture`",
+            "patch": r"`cs.patch` of \['s/d'\]"}[scope]
+    errors = []
+
+    def exit_here():
+        try:
+            opened.__exit__(None, None, None)
+        except RuntimeError as error:
+            errors.append(str(error))
+
+    opened.__enter__()
+    worker = threading.Thread(target=exit_here, name="worker")
+    worker.start()
+    worker.join()
+    assert len(errors) == 1
+    assert re.fullmatch(what + r" was exited in another thread or asyncio task .* It stays "
+                        r"open where it was entered: exit it there .*Received: entered in "
+                        r"thread 'MainThread', exited in thread 'worker'", errors[0])
+    # Still open here, and it applies:
+    out = model.predict(X, verbose=0)
+    if scope == "context":
+        assert cs.current("mode") == "a"
+    if scope == "patch":
+        np.testing.assert_array_equal(out, np.full((8, 2), 7.0))
+    opened.__exit__(None, None, None)  # the right exit closes it
+    assert cs.current("mode") is None
+    np.testing.assert_allclose(model.predict(X, verbose=0), numpy(model(X)), rtol=1e-6)
+    if scope == "capture":
+        np.testing.assert_allclose(opened["s/d:output"], out, rtol=1e-6)
+    with pytest.raises(RuntimeError, match=what + r" is not open: it was exited already"):
+        opened.__exit__(None, None, None)
+
+
+def test_a_context_decorates_a_function_each_call_in_a_scope_of_its_own():
+    @cs.context(mode="b")
+    def mode():
+        return cs.current("mode")
+
+    assert (mode(), mode(), cs.current("mode")) == ("b", "b", None)
 
 
 def test_a_saved_file_holds_no_dynamic_value(tmp_path):

@@ -239,6 +239,7 @@ class Capture(Mapping):
                 _claimed.release(self._claim)
                 raise
         self._token = _scope.enter_capture(self)
+        self._thread = threading.current_thread().name
         return self
 
     def _open_directory(self) -> None:
@@ -277,9 +278,11 @@ class Capture(Mapping):
         self._id = _sinks.owner_of(self._dir)
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        # First, and alone: an exit where the scope is not open (another thread)
+        # raises with the scope as it was, for the right exit.
+        _scope.exit_capture(None if self._closed else self._token, self._thread)
         late = whole = False
         try:
-            _scope.exit_capture(self._token)
             with self._lock:
                 self._closed = True
             whole = self._wait_for_other_threads()

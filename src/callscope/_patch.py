@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import keras
@@ -240,9 +240,8 @@ def _normalized(point, fn, values):
     return BatchPatch(fn) if _takes_batch(fn) else fn
 
 
-@contextlib.contextmanager
 def patch(model, patches: Mapping[str, Callable[..., Any] | Any],
-          values: Mapping[str, Any] | None = None) -> Iterator[None]:
+          values: Mapping[str, Any] | None = None) -> contextlib.AbstractContextManager:
     """Replaces the output of each point with a patch, for every call inside.
 
     Args:
@@ -314,5 +313,4 @@ def patch(model, patches: Mapping[str, Callable[..., Any] | Any],
             "and none does. Add the argument, or leave `values` out. "
             f"Received: values={sorted(values)}"
         )
-    with _scope.open_patch(model, normalized):
-        yield
+    return _scope.open_patch(model, normalized)

@@ -269,8 +269,7 @@ def lookup(name: str, *, tracing: bool) -> Any:
     return value
 
 
-@contextlib.contextmanager
-def context(**values: Any) -> Iterator[None]:
+def context(**values: Any) -> Entered:
     """Sets context arguments for every call of an enabled model in this scope.
 
     Values set here reach `fit`, `evaluate`, `predict`, the `*_on_batch` methods
@@ -293,8 +292,9 @@ def context(**values: Any) -> Iterator[None]:
     True
     """
     # A scope opened inside a trace is part of that trace: its values may be read.
-    with pushed(overlay(values, keyed=bool(values) and _backend.is_tracing_now())):
-        yield
+    shown = ", ".join(f"{name}={value!r}" for name, value in values.items())
+    return Entered(f"`cs.context({shown})`", _FRAME, lambda: overlay(
+        values, keyed=bool(values) and _backend.is_tracing_now()))
 
 
 def current(name: str, default: Any = None) -> Any:
@@ -370,12 +370,62 @@ def opened(var: ScopeVar, item: Any) -> Iterator[None]:
         var.reset(token)
 
 
+class Entered(contextlib.ContextDecorator):
+    """A user's scope (`cs.context`, `cs.patch`): `var` holds what `opens()` gives
+    when it is entered, until it exits.
+
+    Not a generator: an exit in another thread or asyncio task (another
+    `contextvars.Context`, where it is not open) raises `OTHER_CONTEXT` and leaves
+    the scope open, for the exit where it was entered. A generator's scope was over
+    by then: its `var.reset` raised a bare ValueError, and the scope stayed open
+    for good in the thread that entered it."""
+
+    def __init__(self, what: str, var: ScopeVar, opens):
+        self.what, self.var, self.opens = what, var, opens
+        self.token = self.thread = None
+
+    def _recreate_cm(self):  # used as a decorator: a scope of its own per call
+        return Entered(self.what, self.var, self.opens)
+
+    def __enter__(self) -> None:
+        if self.token is not None:
+            raise RuntimeError(f"{self.what} is open already: a scope is entered once at "
+                               "a time. Open a new one (call it again) to nest another.")
+        self.token = self.var.set(self.opens())
+        self.thread = threading.current_thread().name
+
+    def __exit__(self, *exc) -> None:
+        reset(self.var, self.token, self.what, self.thread)
+        self.token = self.thread = None
+
+
+OTHER_CONTEXT = (
+    "{what} was exited in another thread or asyncio task (another `contextvars."
+    "Context`) than the one that entered it, where it is not open. It stays open where "
+    "it was entered: exit it there (a `with` block does). A scope reaches the calls "
+    "made inside it in its own thread or task; to carry it into a thread, start the "
+    "thread's work under `contextvars.copy_context().run(...)`. Received: entered in "
+    "thread {entered!r}, exited in thread {exited!r}")
+
+
+def reset(var: ScopeVar, token, what: str, thread: str | None) -> None:
+    """`var.reset(token)`, or `OTHER_CONTEXT` where the token was set in another
+    `contextvars.Context` (nothing is reset then)."""
+    if token is None:
+        raise RuntimeError(f"{what} is not open: it was exited already, or never entered.")
+    try:
+        var.reset(token)
+    except ValueError as error:
+        raise RuntimeError(OTHER_CONTEXT.format(
+            what=what, entered=thread, exited=threading.current_thread().name)) from error
+
+
 def enter_capture(capture):
     return _CAPTURES.set((*_CAPTURES.get(), capture))
 
 
-def exit_capture(token) -> None:
-    _CAPTURES.reset(token)
+def exit_capture(token, thread: str) -> None:
+    reset(_CAPTURES, token, "A `cs.capture`", thread)
 
 
 TWO_PATCHES = (
@@ -384,17 +434,22 @@ TWO_PATCHES = (
     "one scope before opening the other. Received: {received}")
 
 
-def open_patch(model, patches: Mapping):
+def open_patch(model, patches: Mapping) -> Entered:
     """The scope of `patches` on `model`; one that patches a point an open scope
-    on the same model patches is refused (`TWO_PATCHES`; other models' points
-    that are one layer are refused when a call reaches it: `Patches.find`)."""
-    for owner, open_ones in _PATCHES.get():
-        both = sorted(set(open_ones).intersection(patches)) if owner is model else ()
-        if both:
-            raise ValueError(TWO_PATCHES.format(
-                what=f"{', '.join(f'`{p}`' for p in both)} of `{model.name}`",
-                received=f"patches={sorted(patches)}"))
-    return opened(_PATCHES, (model, patches))
+    on the same model patches is refused when it is entered (`TWO_PATCHES`; other
+    models' points that are one layer are refused when a call reaches it:
+    `Patches.find`)."""
+
+    def opens() -> tuple:
+        for owner, open_ones in _PATCHES.get():
+            both = sorted(set(open_ones).intersection(patches)) if owner is model else ()
+            if both:
+                raise ValueError(TWO_PATCHES.format(
+                    what=f"{', '.join(f'`{p}`' for p in both)} of `{model.name}`",
+                    received=f"patches={sorted(patches)}"))
+        return (*_PATCHES.get(), (model, patches))
+
+    return Entered(f"`cs.patch` of {sorted(patches)}", _PATCHES, opens)
 
 
 def captures_where(owned) -> tuple:
