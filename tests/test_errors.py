@@ -457,3 +457,114 @@ def test_a_scope_a_callback_opens_with_the_calls_own_value_or_closes_is_no_error
     np.testing.assert_allclose(halved * 2.0, model.predict(x, verbose=0), rtol=1e-6)
     assert len(seen) == 2
     np.testing.assert_allclose(seen[0], halved[:2] * 2.0, rtol=1e-6)
+
+
+@pytest.mark.parametrize("scope", ["context", "capture", "patch"])
+def test_a_scope_exited_by_a_callback_while_a_call_inside_it_runs_stays_open(scope):
+    # The call went on applying it (a capture kept filling, a patch kept applying),
+    # and a context came back after the call returned.
+    model = cs.Sequential([keras.Input((4,)), HalvesWhenDebugging(name="h")])
+    model.register_context_args("debugging")
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+    x, y = np.ones((8, 4), "float32"), np.ones((8, 3), "float32")
+    stock = model.predict(x, verbose=0)
+    opened = {"context": lambda: cs.context(debugging=True),
+              "capture": lambda: cs.capture(model, "*/h"),
+              "patch": lambda: cs.patch(model, {"sequential/h": lambda v: v * 0.0})}[scope]()
+    what = {"context": r"`cs.context\(debugging=True\)`", "capture": "A `cs.capture`",
+            "patch": r"`cs.patch` of \['sequential/h'\]"}[scope]
+    errors = []
+
+    class Closes(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            try:
+                opened.__exit__(None, None, None)
+            except RuntimeError as error:
+                errors.append(str(error))
+
+    opened.__enter__()
+    try:
+        model.fit(x, y, batch_size=4, epochs=2, verbose=0, callbacks=[Closes()])
+    finally:
+        opened.__exit__(None, None, None)  # the right exit, after the call
+    assert len(errors) == 2
+    assert re.fullmatch(what + r" was exited while `fit`, a call made inside it, runs \(in "
+                        r"one of its callbacks\).* It stays open: exit it after the call "
+                        r"returns.*", errors[0])
+    assert cs.current("debugging") is None
+    np.testing.assert_allclose(model.predict(x, verbose=0), stock, rtol=1e-6)
+    if scope == "capture":  # both epochs' steps, and nothing after
+        assert opened["sequential/h:output"].shape == (16, 3)
+
+
+def test_a_scope_exited_before_one_opened_inside_it_stays_open():
+    # Python's reset put the outer scope back when the inner one exited: it leaked.
+    model = cs.Sequential([keras.Input((4,)), HalvesWhenDebugging(name="h")], name="m")
+    model.register_context_args("debugging")
+    for outer, inner, what in [
+            (cs.context(debugging=True), cs.context(debugging=False),
+             r"`cs.context\(debugging=True\)`"),
+            (cs.capture(model, "m/h"), cs.capture(model, "m"), "A `cs.capture`"),
+            (cs.patch(model, {"m/h": lambda v: v}), cs.patch(model, {"m": lambda v: v}),
+             r"`cs.patch` of \['m/h'\]")]:
+        outer.__enter__()
+        inner.__enter__()
+        with pytest.raises(RuntimeError, match=what + r" was exited while a scope opened "
+                           r"inside it is still open: scopes close innermost first.* It "
+                           r"stays open: exit the inner one first"):
+            outer.__exit__(None, None, None)
+        if isinstance(inner, cs.Capture):
+            model.predict(np.ones((2, 4), "float32"), verbose=0)
+        inner.__exit__(None, None, None)
+        outer.__exit__(None, None, None)
+        assert cs.current("debugging") is None
+
+
+def test_a_scope_a_refused_callback_left_open_ends_with_the_call():
+    # Its exit after the refusal put the call's frame back: the call's values
+    # (`debugging=True`) applied to every later call in the thread.
+    model = cs.Sequential([keras.Input((4,)), HalvesWhenDebugging(name="h")])
+    model.register_context_args("debugging", "flag")
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+    x, y = np.ones((8, 4), "float32"), np.ones((8, 3), "float32")
+    stock = model.predict(x, verbose=0)
+
+    class Opens(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            self.scope = cs.context(flag=True)
+            self.scope.__enter__()
+
+    opens = Opens()
+    with pytest.raises(RuntimeError, match=r"`cs.context\(flag=True\)` was opened while"):
+        model.fit(x, y, batch_size=4, verbose=0, debugging=True, callbacks=[opens])
+    opens.scope.__exit__(None, None, None)  # the user's cleanup: nothing to undo
+    assert (cs.current("debugging"), cs.current("flag")) == (None, None)
+    np.testing.assert_allclose(model.predict(x, verbose=0), stock, rtol=1e-6)
+
+
+def test_a_callback_restating_the_calls_own_dynamic_value_is_no_error():
+    model = cs.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    model.register_context_args("t", dynamic=True)
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+    x, y = np.ones((8, 4), "float32"), np.ones((8, 3), "float32")
+    for given, restated in [(0.5, 0.5), (0.5, np.float32(0.5)), (np.float32(0.5), 0.5)]:
+        class Restates(keras.callbacks.Callback):
+            def on_train_begin(self, logs=None, restated=restated):
+                self.scope = cs.context(t=restated)
+                self.scope.__enter__()
+
+            def on_train_end(self, logs=None):
+                self.scope.__exit__(None, None, None)
+
+        model.fit(x, y, batch_size=4, verbose=0, t=given, callbacks=[Restates()])
+    with pytest.raises(RuntimeError, match=r"`cs.context\(t=0.25\)` was opened while"):
+        class Changes(keras.callbacks.Callback):
+            def on_train_begin(self, logs=None):
+                self.scope = cs.context(t=0.25)
+                self.scope.__enter__()
+
+        changes = Changes()
+        try:
+            model.fit(x, y, batch_size=4, verbose=0, t=0.5, callbacks=[changes])
+        finally:
+            changes.scope.__exit__(None, None, None)

@@ -280,7 +280,7 @@ class Capture(Mapping):
     def __exit__(self, exc_type, exc, tb) -> None:
         # First, and alone: an exit where the scope is not open (another thread)
         # raises with the scope as it was, for the right exit.
-        _scope.exit_capture(None if self._closed else self._token, self._thread)
+        _scope.exit_capture(None if self._closed else self._token, self, self._thread)
         late = whole = False
         try:
             with self._lock:

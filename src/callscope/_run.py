@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import keras
+import numpy as np
 
 from callscope import _backend, _inputs, _keras_compat, _keys, _scope
 
@@ -149,12 +150,27 @@ def _same_value(before: Any, now: Any) -> bool:
     values apart; a tensor only as itself)."""
     if before is now:
         return True
-    if before is None or _keys.is_tensor_like(before) or _keys.is_tensor_like(now):
+    if before is None:
+        return False
+    numbers = tuple(_is_numbers(v) for v in (before, now))
+    if any(numbers):  # a dynamic value: the call holds it as a numpy array
+        if not all(numbers):
+            return False
+        before, now = np.asarray(before), np.asarray(now)
+        return before.shape == now.shape and bool(np.array_equal(before, now))
+    if _keys.is_tensor_like(before) or _keys.is_tensor_like(now):
         return False
     try:
         return _keys.freeze(before) == _keys.freeze(now)
     except Exception:  # noqa: BLE001 (a value whose `==` raises: not the same)
         return False
+
+
+def _is_numbers(value) -> bool:
+    """A Python number or a numpy array or scalar of numbers (a dynamic value)."""
+    if isinstance(value, (np.ndarray, np.generic)):
+        return value.dtype.kind in "biufc"
+    return isinstance(value, (int, float, complex)) and not isinstance(value, bool)
 
 
 class RowOffset:

@@ -25,6 +25,7 @@ import contextlib
 import contextvars
 import threading
 from collections.abc import Iterator, Mapping
+import dataclasses
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -58,6 +59,12 @@ class Frame:
     outside: Mapping[str, Any] = field(default_factory=lambda: _EMPTY)
     keyed: frozenset = frozenset()
     reads: set | None = None
+    # The frame it was made over, and the user's scope that pushed it (`Entered`),
+    # if one did: a call that ends with a scope opened inside it still open (a
+    # callback's) takes it away, and its later exit must not put the call's frame
+    # back (`pushed`).
+    parent: Frame | None = field(default=None, compare=False, repr=False)
+    owner: Any = field(default=None, compare=False, repr=False)
 
 
 class _Pinned(threading.local):
@@ -161,6 +168,13 @@ def pushed(frame_: Frame) -> Iterator[None]:
     try:
         yield
     finally:
+        # A user's scope opened inside and still open (a callback's, whose call
+        # raised) ends here: its later exit does nothing.
+        current = _FRAME.get()
+        while current is not frame_ and current is not None:
+            if current.owner is not None:
+                current.owner.dropped = True
+            current = current.parent
         pop(token)
 
 
@@ -184,7 +198,7 @@ def overlay(values: Mapping[str, Any], *, keyed: bool) -> Frame:
     names = frozenset(values)
     return Frame(MappingProxyType({**current.values, **values}), current.sealed,
                  current.outside, current.keyed | names if keyed else current.keyed - names,
-                 current.reads)
+                 current.reads, current)
 
 
 def sealed(values: Mapping[str, Any]) -> Frame:
@@ -293,8 +307,9 @@ def context(**values: Any) -> Entered:
     """
     # A scope opened inside a trace is part of that trace: its values may be read.
     shown = ", ".join(f"{name}={value!r}" for name, value in values.items())
-    return Entered(f"`cs.context({shown})`", _FRAME, lambda: overlay(
-        values, keyed=bool(values) and _backend.is_tracing_now()))
+    return Entered(f"`cs.context({shown})`", _FRAME, lambda scope: dataclasses.replace(
+        overlay(values, keyed=bool(values) and _backend.is_tracing_now()),
+        parent=_FRAME.get(), owner=scope))
 
 
 def current(name: str, default: Any = None) -> Any:
@@ -371,18 +386,18 @@ def opened(var: ScopeVar, item: Any) -> Iterator[None]:
 
 
 class Entered(contextlib.ContextDecorator):
-    """A user's scope (`cs.context`, `cs.patch`): `var` holds what `opens()` gives
-    when it is entered, until it exits.
+    """A user's scope (`cs.context`, `cs.patch`): `var` holds what `opens(self)`
+    gives when it is entered, until it exits (`close`).
 
-    Not a generator: an exit in another thread or asyncio task (another
-    `contextvars.Context`, where it is not open) raises `OTHER_CONTEXT` and leaves
-    the scope open, for the exit where it was entered. A generator's scope was over
-    by then: its `var.reset` raised a bare ValueError, and the scope stayed open
-    for good in the thread that entered it."""
+    Not a generator: an exit that is refused (`close`) leaves the scope open, for
+    the right exit. A generator's scope was over by then: in another thread its
+    `var.reset` raised a bare ValueError, and the scope stayed open for good in
+    the thread that entered it."""
 
     def __init__(self, what: str, var: ScopeVar, opens):
         self.what, self.var, self.opens = what, var, opens
-        self.token = self.thread = None
+        self.token = self.thread = self.value = None
+        self.dropped = False
 
     def _recreate_cm(self):  # used as a decorator: a scope of its own per call
         return Entered(self.what, self.var, self.opens)
@@ -391,12 +406,15 @@ class Entered(contextlib.ContextDecorator):
         if self.token is not None:
             raise RuntimeError(f"{self.what} is open already: a scope is entered once at "
                                "a time. Open a new one (call it again) to nest another.")
-        self.token = self.var.set(self.opens())
+        self.value = self.opens(self)
+        self.token, self.dropped = self.var.set(self.value), False
         self.thread = threading.current_thread().name
 
     def __exit__(self, *exc) -> None:
-        reset(self.var, self.token, self.what, self.thread)
-        self.token = self.thread = None
+        item = self.value if self.var is _FRAME or self.value is None else self.value[-1]
+        if not self.dropped:
+            close(self.var, self.token, item, self.what, self.thread)
+        self.token = self.thread = self.value = None
 
 
 OTHER_CONTEXT = (
@@ -406,16 +424,46 @@ OTHER_CONTEXT = (
     "made inside it in its own thread or task; to carry it into a thread, start the "
     "thread's work under `contextvars.copy_context().run(...)`. Received: entered in "
     "thread {entered!r}, exited in thread {exited!r}")
+CALL_INSIDE = (
+    "{what} was exited while `{method}`, a call made inside it, runs (in one of its "
+    "callbacks): the call keeps the scopes it began with to its end, so the scope "
+    "would go on applying to it. It stays open: exit it after the call returns (a "
+    "`with` block around the call does). Received: {what} exited during `{method}`")
+SCOPE_INSIDE = (
+    "{what} was exited while a scope opened inside it is still open: scopes close "
+    "innermost first, and closing this one would end that one too, which would then "
+    "put this one back on its own exit. It stays open: exit the inner one first (`with` "
+    "blocks do). Received: {what} exited before the scope opened inside it")
 
 
-def reset(var: ScopeVar, token, what: str, thread: str | None) -> None:
-    """`var.reset(token)`, or `OTHER_CONTEXT` where the token was set in another
-    `contextvars.Context` (nothing is reset then)."""
+def _holds(value, item) -> bool:
+    """Whether a scope var's `value` holds `item` (a frame over it, or a tuple with it)."""
+    if isinstance(value, Frame):
+        while value is not None and value is not item:
+            value = value.parent
+        return value is not None
+    return any(entry is item for entry in value)
+
+
+def close(var: ScopeVar, token, item, what: str, thread: str | None) -> None:
+    """`var.reset(token)`, the exit of the user's scope that set `item`, unless it
+    would be wrong; then a clear error, and the scope stays open:
+    - a call made inside it still runs (a callback exits it): `CALL_INSIDE`;
+    - a scope opened inside it is still open: `SCOPE_INSIDE`;
+    - another `contextvars.Context` (thread or asyncio task): `OTHER_CONTEXT`."""
     if token is None:
         raise RuntimeError(f"{what} is not open: it was exited already, or never entered.")
+    index = _VARS.index(var)
+    for run in reversed(_RUNS.get()):
+        if run.scopes and _holds(run.scopes[index], item):
+            raise RuntimeError(CALL_INSIDE.format(what=what, method=run.method))
+    current = var.get()
+    innermost = current is item if var is _FRAME else bool(current) and current[-1] is item
+    if not innermost and _holds(current, item):
+        raise RuntimeError(SCOPE_INSIDE.format(what=what))
     try:
         var.reset(token)
-    except ValueError as error:
+    except ValueError as error:  # set in another Context: nothing was reset
         raise RuntimeError(OTHER_CONTEXT.format(
             what=what, entered=thread, exited=threading.current_thread().name)) from error
 
@@ -424,8 +472,8 @@ def enter_capture(capture):
     return _CAPTURES.set((*_CAPTURES.get(), capture))
 
 
-def exit_capture(token, thread: str) -> None:
-    reset(_CAPTURES, token, "A `cs.capture`", thread)
+def exit_capture(token, capture, thread: str) -> None:
+    close(_CAPTURES, token, capture, "A `cs.capture`", thread)
 
 
 TWO_PATCHES = (
@@ -440,7 +488,7 @@ def open_patch(model, patches: Mapping) -> Entered:
     models' points that are one layer are refused when a call reaches it:
     `Patches.find`)."""
 
-    def opens() -> tuple:
+    def opens(_) -> tuple:
         for owner, open_ones in _PATCHES.get():
             both = sorted(set(open_ones).intersection(patches)) if owner is model else ()
             if both:
