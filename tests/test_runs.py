@@ -498,6 +498,65 @@ def test_capture_and_patch_inside_a_users_compiled_function_raise():
     np.testing.assert_allclose(numpy(compiled(x)), _dense(model, X), rtol=1e-5, atol=1e-6)
 
 
+class _Decodes(cs.Model):
+    """A model with a method that calls its layers itself, as keras_hub's
+    `CausalLM.generate` (`call_with_cache`) does."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.block = keras.layers.Dense(4, name="block")
+        self.head = keras.layers.Dense(2, name="head")
+
+    def call(self, x):
+        return self.head(self.block(x))
+
+    def decode(self, x):
+        return self.head(self.block(x))
+
+
+@pytest.mark.parametrize("scope", ["capture", "patch"])
+def test_layers_a_method_calls_outside_any_call_of_the_model_are_refused(scope):
+    # They recorded nothing and took no patch, silently (keras_hub's `generate`).
+    model = _Decodes(name="net")
+    model(X)  # built; no capture or patch has installed the wrappers yet
+    opened = {"capture": lambda: cs.capture(model, "net/*"),
+              "patch": lambda: cs.patch(model, {"net/block": keras.ops.zeros_like})}[scope]
+    what = {"capture": "A `cs.capture`", "patch": "A `cs.patch`"}[scope]
+    for run in (model.decode, model.head):
+        with pytest.raises(RuntimeError, match=what + r" of `net` is open, but its layer "
+                           r"`(block|head)` ran outside any call of the model, where nothing "
+                           r"is recorded or patched: .*keras_hub's `generate`.* Received: "):
+            with opened():
+                run(X if run == model.decode else np.ones((8, 4), "float32"))
+    with opened() as inside:  # a call of the model inside the scope is one
+        out = numpy(model(X))
+    if scope == "capture":
+        np.testing.assert_allclose(inside["net/head:output"], out, rtol=1e-6)
+    else:
+        np.testing.assert_allclose(out, np.broadcast_to(numpy(model.head.bias), (8, 2)),
+                                   rtol=1e-6)
+    np.testing.assert_allclose(numpy(model.decode(X)), numpy(model(X)), rtol=1e-6)
+
+
+def test_a_keras_hub_generate_under_a_capture_or_patch_is_refused():
+    import keras_hub  # a test dependency, never skipped
+
+    backbone = keras_hub.models.GPT2Backbone(
+        vocabulary_size=50, num_layers=1, num_heads=2, hidden_dim=8, intermediate_dim=16,
+        max_sequence_length=16, name="gpt2_backbone")
+    model = cs.enable(keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None,
+                                                    name="lm"))
+    model.compile(sampler="greedy")
+    prompt = {"token_ids": np.array([[1, 2, 3, 0, 0, 0]] * 2, "int32"),
+              "padding_mask": np.array([[1, 1, 1, 0, 0, 0]] * 2, bool)}
+    with pytest.raises(RuntimeError, match=r"A `cs.patch` of `lm` is open, but its layer "
+                       r"`token_embedding` ran outside any call of the model"):
+        with cs.patch(model, {"lm/gpt2_backbone/transformer_layer_0": keras.ops.zeros_like}):
+            model.generate(prompt, max_length=6, stop_token_ids=None)
+    stock = model.generate(prompt, max_length=6, stop_token_ids=None)
+    assert stock["token_ids"].shape == (2, 6)
+
+
 def test_a_direct_stateless_call_is_a_run_with_the_weights_it_was_given():
     # Keras's `stateless_call` never calls `__call__`: it was silently not
     # captured or patched.

@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from callscope import _backend, _reduce, _scope, _sinks
+from callscope import _backend, _record, _reduce, _scope, _sinks
 from callscope._writer import WriteError
 from callscope._points import (KINDS, Ranges, Spec, loop_points, nearest, normalize_select,
                                single_calls_hint, tree_points, unmatched_globs)
@@ -228,6 +228,9 @@ class Capture(Mapping):
     def __enter__(self) -> Capture:
         if self._token is not None:
             raise RuntimeError("A `cs.capture` scope can be entered once. Open a new one.")
+        # Now, not at the first call: a layer called outside any call of the model
+        # (keras_hub's `generate`) is refused by its wrapper, not missed.
+        _record.install_wrappers(self.model)
         if self._dir is not None:
             self._claim = _claimed.claim(self._dir)
             # Absolute from here: a later `os.chdir` must not move the files.

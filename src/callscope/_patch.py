@@ -33,7 +33,7 @@ import keras
 import numpy as np
 from keras import ops
 
-from callscope import _inputs, _scope
+from callscope import _inputs, _record, _scope
 
 
 class Shape(NamedTuple):
@@ -313,4 +313,7 @@ def patch(model, patches: Mapping[str, Callable[..., Any] | Any],
             "and none does. Add the argument, or leave `values` out. "
             f"Received: values={sorted(values)}"
         )
+    # Now, not at the first call: a layer called outside any call of the model
+    # (keras_hub's `generate`) is refused by its wrapper, not missed.
+    _record.install_wrappers(model)
     return _scope.open_patch(model, normalized)

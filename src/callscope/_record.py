@@ -963,6 +963,8 @@ class RecordingCall:
         if collector is None or _symbolic(args, kwargs):
             if checkpoint is not None:
                 _recompute.note(checkpoint, self, None)
+            elif collector is None and _scope.records_open() and not _symbolic(args, kwargs):
+                _check_inside_a_call(self.layer)
             return original(*args, **kwargs)
         layer = self.layer
         if collector.stack and collector.stack[-1].layer is layer:  # call <-> quantized_call
@@ -1116,6 +1118,34 @@ def _masked_like(new, old, fresh: bool):
         new = ops.copy(new)
     _keras_compat.set_keras_mask(new, mask)
     return new
+
+
+OUTSIDE_A_CALL = (
+    "{what} of `{model}` is open, but its layer `{layer}` ran outside any call of "
+    "the model, where nothing is recorded or patched: a method that calls the "
+    "layers itself (keras_hub's `generate`, a custom decoding loop) or a layer "
+    "called on its own. Captures and patches apply to the model's calls: `fit`, "
+    "`evaluate`, `predict`, the `*_on_batch` methods and `model(x)` (and the calls "
+    "of callscope models inside it). Call the model inside the scope, or run the "
+    "method outside it. Received: `{layer}` called inside the scope, outside a call "
+    "of `{model}`")
+
+
+def _check_inside_a_call(layer) -> None:
+    """Refuses a layer's call made, outside any call of a callscope model, in the
+    scope of a capture or patch of a model that holds the layer: it would record
+    nothing, and apply no patch, without a word. (Inside a call whose capture
+    does not take it, the run was checked when it began.)"""
+    if _scope.runs_here():
+        return
+    scopes = [("A `cs.capture`", c.model) for c in _scope.open_captures()] + [
+        ("A `cs.patch`", model) for model, _ in _scope.open_patches()]
+    for what, model in scopes:
+        held = {id(child) for parent in _keras_compat.flatten_layers(model)
+                for child in (parent, *_keras_compat.child_layers(parent))}
+        if id(layer) in held:
+            raise RuntimeError(OUTSIDE_A_CALL.format(what=what, model=model.name,
+                                                     layer=layer.name))
 
 
 def _symbolic(args, kwargs) -> bool:

@@ -500,6 +500,20 @@ def open_patch(model, patches: Mapping) -> Entered:
     return Entered(f"`cs.patch` of {sorted(patches)}", _PATCHES, opens)
 
 
+def records_open() -> bool:
+    """Whether any capture or patch is open here (a cheap first test)."""
+    return bool(_CAPTURES.get() or _PATCHES.get())
+
+
+def open_captures() -> tuple:
+    return _CAPTURES.get()
+
+
+def open_patches() -> tuple:
+    """`(model, {point: fn})` of each open patch scope."""
+    return _PATCHES.get()
+
+
 def captures_where(owned) -> tuple:
     """The open captures whose model satisfies `owned(model)`."""
     return tuple(c for c in _CAPTURES.get() if owned(c.model))
