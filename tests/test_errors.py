@@ -98,22 +98,28 @@ class _Sows(keras.layers.Layer):
         return x
 
 
-@pytest.mark.parametrize("kind", ["tuple", "dict", "str", "ndarray"])
+@pytest.mark.parametrize("kind", ["tuple", "dict", "str", "ndarray", "complex"])
 @pytest.mark.parametrize("reduce", [None, "mean"])
 def test_sowing_anything_but_one_tensor_is_a_type_error(kind, reduce):
     # It gave backend-dependent AttributeErrors, or one statistic over a tuple's
-    # tensors stacked together.
+    # tensors stacked together; a numpy array of strings or complex numbers did not
+    # say its dtype, and read as if no array were taken.
     make = {"tuple": lambda x: (x, 2 * x), "dict": lambda x: {"a": x},
-            "str": lambda x: "hi", "ndarray": lambda x: np.array(["a", "b"])}[kind]
+            "str": lambda x: "hi", "ndarray": lambda x: np.array(["a", "b"]),
+            "complex": lambda x: np.array([1 + 2j])}[kind]
     model = cs.Sequential([keras.Input((2,)), _Sows(make, name="s")], name="m")
     for call in (lambda: model.predict(X, verbose=0), lambda: model(X)):
         with pytest.raises(TypeError) as info:
             with cs.capture(model, reduce=reduce):
                 call()
         message = str(info.value)
-        assert f"cs.sow records one tensor, and `m/s/v` was given a {kind}" in message
-        assert f"Received: value={kind}" in message
+        given = {"ndarray": "ndarray of dtype <U1",
+                 "complex": "ndarray of dtype complex128"}.get(kind, kind)
+        assert f"cs.sow records one tensor, and `m/s/v` was given a {given}" in message
+        assert f"Received: value={given}" in message
         assert ("under a name of its own" in message) == (kind in ("tuple", "dict"))
+        assert ("convert other values to a tensor first" in message) == (
+            kind not in ("tuple", "dict"))
     np.testing.assert_allclose(model.predict(X, verbose=0), X)  # off: passed through
     # Not recorded nor patched, it is passed through too; discovery lists it.
     dense = cs.Sequential([keras.Input((2,)), keras.layers.Dense(2, name="d"),

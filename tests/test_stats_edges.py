@@ -817,3 +817,33 @@ def test_statistics_run_op_by_op_pick_their_branch_in_python(monkeypatch):
         model.predict(x, batch_size=3, verbose=0)
     _check(cap, _reference(x))
     assert conds  # traced: on the device
+
+
+class _SowsComplex(keras.layers.Layer):
+    def call(self, x):
+        i = keras.ops.convert_to_tensor(np.array(1j, "complex64"))
+        cs.sow(self, "v", keras.ops.cast(x, "complex64") * i)
+        if BACKEND == "tensorflow":
+            import tensorflow as tf
+
+            cs.sow(self, "s", tf.strings.as_string(x))
+        return x
+
+
+@pytest.mark.parametrize("what", ["v", "s"] if BACKEND == "tensorflow" else ["v"])
+def test_statistics_of_complex_or_string_values_are_refused(what):
+    # A complex value's imaginary part was dropped without a word (every statistic
+    # of 1j * x read 0: absmax 0, frac_zero 1); a TF string failed inside the step
+    # with a bare UnimplementedError. (Strings are tensors on TF only.)
+    model = cs.Sequential([keras.Input((3,)), _SowsComplex(name="p")], name="m")
+    x = np.random.default_rng(1).normal(size=(10, 3)).astype("float32")
+    dtype = {"v": "complex64", "s": "string"}[what]
+    for call in (lambda: model.predict(x, batch_size=4, verbose=0), lambda: model(x)):
+        with pytest.raises(TypeError, match=r"cs.capture\(reduce=...\) computes statistics of "
+                           rf"real numbers, and `m/p/{what}:output` holds {dtype} values.*"
+                           rf"Received: `m/p/{what}:output` of dtype {dtype}"):
+            with cs.capture(model, f"m/p/{what}", reduce=("mean", "absmax")):
+                call()
+    with cs.capture(model, "m/p/v") as full:  # in full, as it is
+        model.predict(x, batch_size=4, verbose=0)
+    np.testing.assert_array_equal(full["m/p/v:output"], x.astype("complex64") * 1j)

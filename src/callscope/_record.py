@@ -414,6 +414,7 @@ class Collector:
                 if axis is None:
                     self.unbatched.add(f"{index}|{key}")
                 if spec.stats:
+                    _check_real(key, value)
                     out[f"{index}|{key}"] = _reduce.partials(
                         value, spec.stats, spec.bins, self.hist_range(int(index), key)
                     )
@@ -879,11 +880,31 @@ def _one_tensor(point: str, value: Any) -> Any:
     elif isinstance(value, (bool, int, float)):
         return ops.convert_to_tensor(value)  # Keras's rule: int32, float32
     several = isinstance(value, (tuple, list, dict))
+    dtype = getattr(value, "dtype", None)
+    received = (f"{type(value).__name__} of dtype {dtype}" if dtype is not None
+                else type(value).__name__)
     raise TypeError(
-        f"cs.sow records one tensor, and `{point}` was given a {type(value).__name__}"
+        f"cs.sow records one tensor, and `{point}` was given a {received}"
         + (": sow each of its tensors under a name of its own, e.g. "
-           "`cs.sow(self, 'h_0', h[0])`" if several else "")
-        + f". Received: value={type(value).__name__}")
+           "`cs.sow(self, 'h_0', h[0])`" if several else
+           ": it converts Python and numpy bools, ints and floats; convert other "
+           "values to a tensor first (`keras.ops.convert_to_tensor`), or sow a number "
+           "that stands for them")
+        + f". Received: value={received}")
+
+
+def _check_real(key: str, value) -> None:
+    """Statistics are of real numbers: a complex value's imaginary part was
+    dropped without a word (every statistic of `1j * x` read 0), and a TF string
+    failed inside the step with a bare `UnimplementedError`."""
+    dtype = keras.backend.standardize_dtype(value.dtype)
+    if dtype.startswith("complex") or dtype == "string":
+        raise TypeError(
+            f"cs.capture(reduce=...) computes statistics of real numbers, and "
+            f"`{key}` holds {dtype} values. Sow a real value that stands for them "
+            "(`keras.ops.abs(v)`, `keras.ops.real(v)`), or capture this point in full "
+            f"(`reduce=None`, or leave it out of `select`). Received: `{key}` of dtype "
+            f"{dtype}")
 
 
 def _check_ints_held(point: str, array: np.ndarray, tensor) -> None:
