@@ -323,3 +323,24 @@ def test_patch_of_one_block_changes_only_what_follows(arch):
         assert _differs(plain, ablated)
     for key, path in _keys(model.name, patched):
         np.testing.assert_array_equal(after[key], _at(patched, path), err_msg=key)
+
+
+def test_a_keras_hub_generate_under_a_capture_or_patch_is_refused():
+    # A test dependency, never skipped (not in CI's keras-nightly files: keras_hub
+    # 0.32 does not import on a nightly Keras).
+    import keras_hub
+
+    backbone = keras_hub.models.GPT2Backbone(
+        vocabulary_size=50, num_layers=1, num_heads=2, hidden_dim=8, intermediate_dim=16,
+        max_sequence_length=16, name="gpt2_backbone")
+    model = cs.enable(keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None,
+                                                    name="lm"))
+    model.compile(sampler="greedy")
+    prompt = {"token_ids": np.array([[1, 2, 3, 0, 0, 0]] * 2, "int32"),
+              "padding_mask": np.array([[1, 1, 1, 0, 0, 0]] * 2, bool)}
+    with pytest.raises(RuntimeError, match=r"A `cs.patch` of `lm` is open, but its layer "
+                       r"`token_embedding` ran outside any call of the model"):
+        with cs.patch(model, {"lm/gpt2_backbone/transformer_layer_0": keras.ops.zeros_like}):
+            model.generate(prompt, max_length=6, stop_token_ids=None)
+    stock = model.generate(prompt, max_length=6, stop_token_ids=None)
+    assert stock["token_ids"].shape == (2, 6)
