@@ -261,3 +261,18 @@ def test_a_batch_patch_in_a_direct_call_names_the_methods_that_give_the_batch():
         with pytest.raises(ValueError, match=r"a patch must keep the shape.*Received: a value "
                                              r"of shape \(5, 2\) for `tiny/b0`"):
             model.predict(CLEAN, verbose=0)
+
+
+@pytest.mark.parametrize("jit_compile", [False, "auto"])
+def test_a_patch_that_changes_the_shape_on_the_last_batch_only_is_a_value_error(jit_compile):
+    # TF raised its InvalidArgumentError from the graph's check (the message
+    # inside it, without the shapes), where JAX and torch raise a ValueError.
+    model = cs.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="d")], name="s")
+    model.compile(jit_compile=jit_compile)
+    with pytest.raises(ValueError, match=r"The patch of `s/d` returned a value of shape "
+                       r"\(4, 3\), but the point's value has shape \(2, 3\): a patch must "
+                       r"keep the shape.* Received: a value of shape \(4, 3\) for `s/d`"):
+        with cs.patch(model, {"s/d": lambda v: keras.ops.zeros((4, 3))}):
+            model.predict(np.ones((10, 4), "float32"), batch_size=4, verbose=0)
+    np.testing.assert_allclose(model.predict(np.ones((10, 4), "float32"), verbose=0),
+                               numpy(model(np.ones((10, 4), "float32"))), rtol=1e-6)

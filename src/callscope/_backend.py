@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 
 import keras
 import numpy as np
@@ -344,9 +345,36 @@ def check_same_shape(out, value, message: str):
             if None in g or None in s:
                 tf.debugging.assert_equal(
                     tf.shape(o), tf.shape(w),
-                    message=message.format(got="(the first shape below)",
-                                           want="(the second)"))
+                    message=_IN_GRAPH + message.format(got=_GOT, want=_WANT))
     return out
+
+
+# A shape check in a TF graph fails as an InvalidArgumentError when the step runs;
+# `graph_checks_raised` gives it as the ValueError that the other backends raise.
+_IN_GRAPH, _GOT, _WANT = "[callscope] ", "(the first shape below)", "(the second)"
+
+
+@contextlib.contextmanager
+def graph_checks_raised():
+    """TF: a failed `check_same_shape` inside a compiled step, raised as the
+    ValueError it is (with the shapes), not as TF's `InvalidArgumentError`."""
+    import tensorflow as tf
+
+    try:
+        yield
+    except tf.errors.InvalidArgumentError as error:
+        text = getattr(error, "message", str(error))
+        start = text.find(_IN_GRAPH)
+        if start < 0:
+            raise
+        message = text[start + len(_IN_GRAPH):].split("] [Condition", 1)[0]
+        message = message.replace("\\'", "'")  # (TF's printing escapes quotes)
+        shapes = re.findall(r"\[x \(.*?\) = \] \[([\d ]*)\] \[y \(.*?\) = \] "
+                            r"\[([\d ]*)\]", text)
+        if shapes:
+            got, want = (str(tuple(int(n) for n in s.split())) for s in shapes[0])
+            message = message.replace(_GOT, got).replace(_WANT, want)
+        raise ValueError(message) from None
 
 
 @contextlib.contextmanager

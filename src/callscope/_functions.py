@@ -21,6 +21,16 @@ import numpy as np
 from callscope import _backend, _inputs, _keras_compat, _record, _scope, _steps
 
 _JAX = keras.backend.backend() == "jax"
+_TF = keras.backend.backend() == "tensorflow"
+
+
+def _checked(function):
+    """`function`, its patches' shape checks in the TF graph raised as ValueErrors."""
+    def call(*args, **kwargs):
+        with _backend.graph_checks_raised():
+            return function(*args, **kwargs)
+
+    return call
 
 
 class PerKeyFunction:
@@ -142,6 +152,8 @@ class RunFunction:
         inputs = run.inputs_for(self.kind) if run is not None and run.has_inputs else None
         if inputs and _JAX:  # beside each batch, placed on the device once per run
             args = (args[0], _inputs.wrapped(args[1], inputs), *args[2:])
+        if _TF and run is not None and run.patches:
+            function = _checked(function)
         if run is None or not (run.dynamic or run.replicated or run.offset
                                or (inputs and not _JAX)):  # common case
             with _scope.steps_of(model):
