@@ -276,3 +276,20 @@ def test_a_patch_that_changes_the_shape_on_the_last_batch_only_is_a_value_error(
             model.predict(np.ones((10, 4), "float32"), batch_size=4, verbose=0)
     np.testing.assert_allclose(model.predict(np.ones((10, 4), "float32"), verbose=0),
                                numpy(model(np.ones((10, 4), "float32"))), rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2", "int4"])
+def test_a_narrow_ml_dtypes_patch_array_or_value_applies_on_every_backend(dtype):
+    # TF had no kernel to take its rows (a bare InvalidArgumentError), torch
+    # converted no such array (a bare TypeError); JAX took it.
+    import ml_dtypes
+
+    model = cs.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="d")], name="s")
+    numbers = np.array([[-1.5, 0.25, 2.0]] * 4 if dtype != "int4" else [[-3, 0, 5]] * 4)
+    narrow = numbers.astype(getattr(ml_dtypes, dtype))
+    x = np.ones((4, 4), "float32")
+    with cs.patch(model, {"s/d": narrow}):
+        np.testing.assert_array_equal(model.predict(x, batch_size=3, verbose=0), numbers)
+    with cs.patch(model, {"s/d": lambda v, values: keras.ops.add(v * 0.0, values["row"])},
+                  values={"row": narrow[0]}):
+        np.testing.assert_array_equal(model.predict(x, verbose=0), numbers)

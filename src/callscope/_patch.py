@@ -187,7 +187,26 @@ def _numbers(array: np.ndarray, what: str) -> np.ndarray:
             f"{what} enters the compiled step as a tensor: it takes numbers or bools. "
             "Put strings and other settings in a patch function itself. Received: an "
             f"array of numpy dtype {array.dtype}")
-    return array
+    return _widened(array)
+
+
+def _widened(array: np.ndarray) -> np.ndarray:
+    """A float8 or float4 array as float32, an int4 or int2 one as (u)int8: exact,
+    and held by every backend (TF has no kernel to take rows of float8, torch
+    converts no ml_dtypes array; JAX took them). The point's cast applies after."""
+    if array.dtype.itemsize != 1 or array.dtype in (np.int8, np.uint8, np.bool_):
+        return array
+    import ml_dtypes  # (Keras's own dependency)
+
+    try:
+        ml_dtypes.finfo(array.dtype)
+        return array.astype("float32")
+    except ValueError:
+        pass
+    try:
+        return array.astype("int8" if ml_dtypes.iinfo(array.dtype).min < 0 else "uint8")
+    except ValueError:
+        return array
 
 
 def _value_array(name, value) -> np.ndarray:
