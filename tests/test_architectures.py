@@ -338,8 +338,9 @@ def test_a_keras_hub_generate_under_a_capture_or_patch_is_refused():
     model.compile(sampler="greedy")
     prompt = {"token_ids": np.array([[1, 2, 3, 0, 0, 0]] * 2, "int32"),
               "padding_mask": np.array([[1, 1, 1, 0, 0, 0]] * 2, bool)}
-    with pytest.raises(RuntimeError, match=r"A `cs.patch` of `lm` is open, but its layer "
-                       r"`token_embedding` ran outside any call of the model"):
+    with pytest.raises(RuntimeError, match=r"A `cs.patch` of `lm` is open, and its layer "
+                       r"`token_embedding` ran in `call_with_cache` of `lm`, outside any "
+                       r"call of the model"):
         with cs.patch(model, {"lm/gpt2_backbone/transformer_layer_0": keras.ops.zeros_like}):
             model.generate(prompt, max_length=6, stop_token_ids=None)
     stock = model.generate(prompt, max_length=6, stop_token_ids=None)

@@ -526,26 +526,35 @@ def test_a_scope_exited_before_one_opened_inside_it_stays_open():
         assert cs.current("debugging") is None
 
 
-def test_a_scope_a_refused_callback_left_open_ends_with_the_call():
-    # Its exit after the refusal put the call's frame back: the call's values
-    # (`debugging=True`) applied to every later call in the thread.
+@pytest.mark.parametrize("scope", ["context", "capture", "patch"])
+def test_a_scope_a_refused_callback_left_open_ends_with_the_call(scope):
+    # A context's exit after the refusal put the call's frame back (the call's
+    # `debugging=True` applied to every later call in the thread); a patch went on
+    # patching every later call, and a capture recording them.
     model = cs.Sequential([keras.Input((4,)), HalvesWhenDebugging(name="h")])
     model.register_context_args("debugging", "flag")
     model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
     x, y = np.ones((8, 4), "float32"), np.ones((8, 3), "float32")
     stock = model.predict(x, verbose=0)
+    opened = {"context": lambda: cs.context(flag=True),
+              "capture": lambda: cs.capture(model, "sequential/h"),
+              "patch": lambda: cs.patch(model, {"sequential/h": lambda v: v * 0.0})}[scope]
 
     class Opens(keras.callbacks.Callback):
         def on_train_begin(self, logs=None):
-            self.scope = cs.context(flag=True)
+            self.scope = opened()
             self.scope.__enter__()
 
     opens = Opens()
-    with pytest.raises(RuntimeError, match=r"`cs.context\(flag=True\)` was opened while"):
+    with pytest.raises(RuntimeError, match=r" was opened while `fit` runs"):
         model.fit(x, y, batch_size=4, verbose=0, debugging=True, callbacks=[opens])
+    after = model.predict(x, verbose=0)  # before the user's cleanup, too
     opens.scope.__exit__(None, None, None)  # the user's cleanup: nothing to undo
     assert (cs.current("debugging"), cs.current("flag")) == (None, None)
+    np.testing.assert_allclose(after, stock, rtol=1e-6)
     np.testing.assert_allclose(model.predict(x, verbose=0), stock, rtol=1e-6)
+    if scope == "capture":
+        assert list(opens.scope) == []
 
 
 def test_a_callback_restating_the_calls_own_dynamic_value_is_no_error():

@@ -522,12 +522,20 @@ def test_layers_a_method_calls_outside_any_call_of_the_model_are_refused(scope):
     opened = {"capture": lambda: cs.capture(model, "net/*"),
               "patch": lambda: cs.patch(model, {"net/block": keras.ops.zeros_like})}[scope]
     what = {"capture": "A `cs.capture`", "patch": "A `cs.patch`"}[scope]
-    for run in (model.decode, model.head):
-        with pytest.raises(RuntimeError, match=what + r" of `net` is open, but its layer "
-                           r"`(block|head)` ran outside any call of the model, where nothing "
-                           r"is recorded or patched: .*keras_hub's `generate`.* Received: "):
-            with opened():
-                run(X if run == model.decode else np.ones((8, 4), "float32"))
+    with pytest.raises(RuntimeError, match=what + r" of `net` is open, and its layer `block` "
+                       r"ran in `decode` of `net`, outside any call of the model, where "
+                       r"nothing is recorded or patched \(keras_hub's `generate`.* Received: "
+                       r"`block` called in `net.decode`"):
+        with opened():
+            model.decode(X)
+    # A layer called on its own, or by another model that shares it, is no call
+    # of the model: nothing to record or patch, and no error.
+    shares = keras.Sequential([model.block])
+    with opened():
+        alone = numpy(model.head(np.ones((8, 4), "float32")))
+        shared = numpy(shares(X))
+    np.testing.assert_allclose(alone, numpy(model.head(np.ones((8, 4), "float32"))), rtol=1e-6)
+    np.testing.assert_allclose(shared, numpy(model.block(X)), rtol=1e-6)
     with opened() as inside:  # a call of the model inside the scope is one
         out = numpy(model(X))
     if scope == "capture":

@@ -114,6 +114,7 @@ class Capture(Mapping):
                 "to write, or leave `to` out to capture in memory. Received: to=''")
         self._id: str | None = None  # its files' owner (`_sinks.OWNER`)
         self._token = None
+        self.dropped = False  # ended with the call it was opened in (`_scope`)
         self._closed = False
         self._late = False  # calls outlived the scope: the last one writes the index
         self._claim: str | None = None  # the directory, claimed while the scope is open
@@ -242,7 +243,7 @@ class Capture(Mapping):
                 _claimed.release(self._claim)
                 raise
         self._token = _scope.enter_capture(self)
-        self._thread = threading.current_thread().name
+        self._thread, self.dropped = threading.current_thread().name, False
         return self
 
     def _open_directory(self) -> None:
@@ -283,7 +284,8 @@ class Capture(Mapping):
     def __exit__(self, exc_type, exc, tb) -> None:
         # First, and alone: an exit where the scope is not open (another thread)
         # raises with the scope as it was, for the right exit.
-        _scope.exit_capture(None if self._closed else self._token, self, self._thread)
+        if not self.dropped:  # (ended with the call it was opened in: `ending_scopes...`)
+            _scope.exit_capture(None if self._closed else self._token, self, self._thread)
         late = whole = False
         try:
             with self._lock:

@@ -367,7 +367,8 @@ class Engine(CaptureMixin):
                 stack.enter_context(gate.held())
             snapshot = _keras_compat.snapshot_variable_values(self, method)  # under the gate
             try:
-                with _scope.pushed(frame), _scope.running(run):
+                with _scope.pushed(frame), _scope.running(run), \
+                        _scope.ending_scopes_opened_in(run):
                     return getattr(super(), method)(*args, **kwargs)
             except BaseException as error:
                 for gate in state.gates(method):

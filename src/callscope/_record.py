@@ -984,7 +984,10 @@ class RecordingCall:
         if collector is None or _symbolic(args, kwargs):
             if checkpoint is not None:
                 _recompute.note(checkpoint, self, None)
-            elif collector is None and _scope.records_open() and not _symbolic(args, kwargs):
+            elif collector is None and not (_TORCH and _backend.is_tracing_now()) and (
+                    _scope.records_open() and not _symbolic(args, kwargs)):
+                # (Not under torch.compile: dynamo cannot read a ContextVar, and a
+                # model call it compiles is refused under a capture or patch.)
                 _check_inside_a_call(self.layer)
             return original(*args, **kwargs)
         layer = self.layer
@@ -1142,31 +1145,45 @@ def _masked_like(new, old, fresh: bool):
 
 
 OUTSIDE_A_CALL = (
-    "{what} of `{model}` is open, but its layer `{layer}` ran outside any call of "
-    "the model, where nothing is recorded or patched: a method that calls the "
-    "layers itself (keras_hub's `generate`, a custom decoding loop) or a layer "
-    "called on its own. Captures and patches apply to the model's calls: `fit`, "
-    "`evaluate`, `predict`, the `*_on_batch` methods and `model(x)` (and the calls "
-    "of callscope models inside it). Call the model inside the scope, or run the "
-    "method outside it. Received: `{layer}` called inside the scope, outside a call "
-    "of `{model}`")
+    "{what} of `{model}` is open, and its layer `{layer}` ran in `{method}` of "
+    "`{owner}`, outside any call of the model, where nothing is recorded or patched "
+    "(keras_hub's `generate` calls the layers itself). Captures and patches apply "
+    "to the model's calls: `fit`, `evaluate`, `predict`, the `*_on_batch` methods "
+    "and `model(x)` (and the calls of callscope models inside it). Call the model "
+    "inside the scope, or run `{method}` outside it. Received: `{layer}` called in "
+    "`{owner}.{method}`")
+_STACK_LIMIT = 256  # frames looked at for the method that runs (a deep decode loop)
 
 
 def _check_inside_a_call(layer) -> None:
-    """Refuses a layer's call made, outside any call of a callscope model, in the
-    scope of a capture or patch of a model that holds the layer: it would record
-    nothing, and apply no patch, without a word. (Inside a call whose capture
-    does not take it, the run was checked when it began.)"""
-    if _scope.runs_here():
+    """Refuses a layer's call made in a method of the captured (or patched) model,
+    or of a model holding it, outside any call of a callscope model: keras_hub's
+    `generate` calls the layers itself, and would record nothing and take no
+    patch, without a word. A layer called otherwise (on its own, in another model
+    that shares it, in a shape-only trace) is no call of the model, and records
+    nothing by design. (Inside a call whose capture does not take it, the run was
+    checked when it began.)"""
+    if _scope.runs_here() or _keras_compat.in_symbolic_scope():
         return
     scopes = [("A `cs.capture`", c.model) for c in _scope.open_captures()] + [
         ("A `cs.patch`", model) for model, _ in _scope.open_patches()]
     for what, model in scopes:
         held = {id(child) for parent in _keras_compat.flatten_layers(model)
                 for child in (parent, *_keras_compat.child_layers(parent))}
-        if id(layer) in held:
-            raise RuntimeError(OUTSIDE_A_CALL.format(what=what, model=model.name,
-                                                     layer=layer.name))
+        if id(layer) not in held:
+            continue
+        frame = inspect.currentframe()
+        for _ in range(_STACK_LIMIT):
+            frame = frame.f_back if frame is not None else None
+            if frame is None:
+                break
+            owner = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames else None
+            if owner is model or (isinstance(owner, keras.Model) and any(
+                    inner is model for inner in _keras_compat.flatten_layers(owner))):
+                method = frame.f_code.co_name.removeprefix("tf__")  # (autograph's copy)
+                raise RuntimeError(OUTSIDE_A_CALL.format(
+                    what=what, model=model.name, layer=layer.name, method=method,
+                    owner=owner.name))
 
 
 def _symbolic(args, kwargs) -> bool:

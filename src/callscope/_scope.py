@@ -482,20 +482,45 @@ TWO_PATCHES = (
     "one scope before opening the other. Received: {received}")
 
 
+class _OpenPatch(tuple):
+    """`(model, {point: fn})` of an open patch scope, and the scope (`.scope`)."""
+
+
+@contextlib.contextmanager
+def ending_scopes_opened_in(run) -> Iterator[None]:
+    """A call's end also ends the captures and patches opened inside it and still
+    open (a callback's, whose call raised before the callback closed it): their
+    later exit does nothing. (They stayed open: a patch went on patching every
+    later call, a capture recording it. A context ends in `pushed`.)"""
+    try:
+        yield
+    finally:
+        for index, var in ((1, _CAPTURES), (2, _PATCHES)):
+            began, now = run.scopes[index], var.get()
+            if now is began or len(now) <= len(began) or any(
+                    a is not b for a, b in zip(now, began)):
+                continue
+            for item in now[len(began):]:
+                getattr(item, "scope", item).dropped = True
+            var.set(began)
+
+
 def open_patch(model, patches: Mapping) -> Entered:
     """The scope of `patches` on `model`; one that patches a point an open scope
     on the same model patches is refused when it is entered (`TWO_PATCHES`; other
     models' points that are one layer are refused when a call reaches it:
     `Patches.find`)."""
 
-    def opens(_) -> tuple:
+    def opens(scope) -> tuple:
         for owner, open_ones in _PATCHES.get():
             both = sorted(set(open_ones).intersection(patches)) if owner is model else ()
             if both:
                 raise ValueError(TWO_PATCHES.format(
                     what=f"{', '.join(f'`{p}`' for p in both)} of `{model.name}`",
                     received=f"patches={sorted(patches)}"))
-        return (*_PATCHES.get(), (model, patches))
+        item = _OpenPatch((model, patches))
+        item.scope = scope
+        return (*_PATCHES.get(), item)
 
     return Entered(f"`cs.patch` of {sorted(patches)}", _PATCHES, opens)
 
