@@ -186,6 +186,36 @@ def test_training_still_reaches_layers_in_fit():
     assert True in seen, (BACKEND, seen)
 
 
+def test_overrides_that_take_no_callbacks_run_as_stock_does():
+    """On JAX callscope gave every `fit`/`evaluate`/`predict` its gate callbacks, so
+    an enabled model whose class overrides `evaluate(self, x, y, verbose,
+    return_dict)` failed on a plain `evaluate(x, y)` ("unexpected keyword argument
+    'callbacks'"), where stock Keras runs it."""
+    class Narrow(keras.Sequential):
+        def evaluate(self, x, y, verbose=0, return_dict=False):
+            return super().evaluate(x, y, verbose=verbose, return_dict=return_dict)
+
+        def predict(self, x, verbose=0):
+            return super().predict(x, verbose=verbose)
+
+        def fit(self, x, y, epochs=1, verbose=0):
+            return super().fit(x, y, epochs=epochs, verbose=verbose)
+
+    model = cs.enable(Narrow([keras.Input((3,)), Deep([])]))
+    model.register_context_args("debugging")
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+    assert model.evaluate(X, Y) == pytest.approx(0.0)
+    with cs.context(debugging=True):
+        assert model.evaluate(X, Y) == pytest.approx(1e4)
+        np.testing.assert_allclose(model.predict(X), Y + 100.0)
+        assert model.fit(X, Y).history["loss"] == pytest.approx([1e4])
+    with pytest.raises(TypeError, match=r"cs.capture\(log=...\) logs through a callback of "
+                       r"`fit`, and the model's class overrides `fit\(\)` without "
+                       r"`callbacks`.* Received: fit\(self, x, y, epochs=1, verbose=0\)"):
+        with cs.capture(model, reduce="mean", log=True):
+            model.fit(X, Y)
+
+
 def test_an_evaluate_override_passing_kwargs_on_takes_keras_arguments():
     """keras_hub's Tasks override `evaluate(self, x, y, batch_size, sample_weight,
     **kwargs)`: `verbose`, `return_dict` and the `steps` of fit's validation were

@@ -304,7 +304,16 @@ class Engine(CaptureMixin):
                         user = list(user or [])
                         first = (EpochStatistics(calls[logging], user),)
                 gates = state.gates(method)
-                if (gates or first) and method in ("fit", "evaluate", "predict"):
+                if first and "callbacks" not in known.accepted:
+                    raise TypeError(
+                        "cs.capture(log=...) logs through a callback of `fit`, and the "
+                        "model's class overrides `fit()` without `callbacks`. Let the "
+                        "override take `**kwargs` and pass them on to `super().fit()`. "
+                        f"Received: fit{known.signature}")
+                if (gates or first) and method in ("fit", "evaluate", "predict") and (
+                        "callbacks" in known.accepted):
+                    # (An override that takes no callbacks runs none of the user's:
+                    # the gate then stays held for the whole call.)
                     kwargs["callbacks"] = with_gate_callbacks(kwargs.get("callbacks"), gates,
                                                               self, first)
                 result = self._cs_call_keras(method, run, frame, args, kwargs)
