@@ -1,11 +1,12 @@
 """cs.patch: interventions inside compiled and eager calls, leaving nothing behind."""
 
 import collections
+import re
 
 import keras
 import numpy as np
 import pytest
-from conftest import numpy
+from conftest import BACKEND, numpy
 
 import callscope as cs
 
@@ -263,19 +264,31 @@ def test_a_batch_patch_in_a_direct_call_names_the_methods_that_give_the_batch():
             model.predict(CLEAN, verbose=0)
 
 
-@pytest.mark.parametrize("jit_compile", [False, "auto"])
-def test_a_patch_that_changes_the_shape_on_the_last_batch_only_is_a_value_error(jit_compile):
+@pytest.mark.parametrize("jit_compile", [False, True] if BACKEND != "torch" else [False])
+@pytest.mark.parametrize("method", ["predict", "evaluate"])
+@pytest.mark.parametrize("shape", [(4, 3), (4, 3, 1, 1)], ids=["rank2", "rank4"])
+def test_a_patch_that_changes_the_shape_on_the_last_batch_only_is_a_value_error(
+        jit_compile, method, shape):
     # TF raised its InvalidArgumentError from the graph's check (the message
-    # inside it, without the shapes), where JAX and torch raise a ValueError.
-    model = cs.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="d")], name="s")
-    model.compile(jit_compile=jit_compile)
-    with pytest.raises(ValueError, match=r"The patch of `s/d` returned a value of shape "
-                       r"\(4, 3\), but the point's value has shape \(2, 3\): a patch must "
-                       r"keep the shape.* Received: a value of shape \(4, 3\) for `s/d`"):
-        with cs.patch(model, {"s/d": lambda v: keras.ops.zeros((4, 3))}):
-            model.predict(np.ones((10, 4), "float32"), batch_size=4, verbose=0)
-    np.testing.assert_allclose(model.predict(np.ones((10, 4), "float32"), verbose=0),
-                               numpy(model(np.ones((10, 4), "float32"))), rtol=1e-6)
+    # inside it, without the shapes), or the loss's (evaluate: the op after the
+    # patch may fail first); under XLA, which drops the check, predict gave 12 rows
+    # for 10, silently. JAX and torch raise a ValueError.
+    layers = [keras.Input((4,)), keras.layers.Dense(3, name="d")]
+    if len(shape) == 4:
+        layers += [keras.layers.Reshape((3, 1, 1), name="r"), keras.layers.Flatten()]
+    model = cs.Sequential(layers, name="s")
+    model.compile(loss="mse", jit_compile=jit_compile)
+    point = "s/d" if len(shape) == 2 else "s/r"
+    got, want = str(shape), str((2, *shape[1:]))
+    x = np.ones((10, 4), "float32")
+    data = (x,) if method == "predict" else (x, np.ones((10, 3), "float32"))
+    with pytest.raises(ValueError, match=rf"The patch of `{point}` returned a value of shape "
+                       + re.escape(got) + r", but the point's value has shape "
+                       + re.escape(want) + r": a patch must keep the shape.* Received: a "
+                       rf"value of shape {re.escape(got)} for `{point}`"):
+        with cs.patch(model, {point: lambda v: keras.ops.zeros(shape)}):
+            getattr(model, method)(*data, batch_size=4, verbose=0)
+    np.testing.assert_allclose(model.predict(x, verbose=0), numpy(model(x)), rtol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2", "int4"])
@@ -293,3 +306,15 @@ def test_a_narrow_ml_dtypes_patch_array_or_value_applies_on_every_backend(dtype)
     with cs.patch(model, {"s/d": lambda v, values: keras.ops.add(v * 0.0, values["row"])},
                   values={"row": narrow[0]}):
         np.testing.assert_array_equal(model.predict(x, verbose=0), numbers)
+
+
+def test_a_widened_patch_array_a_cast_would_change_is_refused_by_its_own_dtype():
+    import ml_dtypes
+
+    model = cs.Sequential([keras.Input((2,)), keras.layers.Lambda(
+        lambda t: keras.ops.cast(t, "int32"), name="i")], name="s")
+    with pytest.raises(TypeError, match=r"The array patch of `s/i` holds float8_e4m3fn values, "
+                       r"and the point's value is int32.* Received: an array of dtype "
+                       r"float8_e4m3fn for a point of dtype int32"):
+        with cs.patch(model, {"s/i": np.full((2, 2), 0.25, ml_dtypes.float8_e4m3fn)}):
+            model.predict(np.ones((2, 2), "float32"), verbose=0)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import re
 
 import keras
@@ -341,17 +342,31 @@ def check_same_shape(out, value, message: str):
     if BACKEND == "tensorflow" and any(None in g or None in w for g, w in zip(got, want)):
         import tensorflow as tf
 
+        checked = []
         for o, w, g, s in zip(outs, wants, got, want):
             if None in g or None in s:
-                tf.debugging.assert_equal(
-                    tf.shape(o), tf.shape(w),
+                check = tf.debugging.assert_equal(
+                    tf.shape(o), tf.shape(w), summarize=len(g) + 1,
                     message=_IN_GRAPH + message.format(got=_GOT, want=_WANT))
+                # XLA drops the assert (and without XLA an op after the patch may
+                # fail first): a `where` over the value's shape, which takes each
+                # element of the patch as it is, fails on a patch of another shape.
+                # (Not a reshape or broadcast: TF infers their static shape from the
+                # patch's, and Grappler drops them as no-ops.)
+                name = f"callscope_shape_check_{next(_CHECK_NUMBERS)}"
+                _SHAPE_CHECKS[name] = message
+                with tf.control_dependencies([check] if check is not None else []):
+                    o = tf.where(tf.ones_like(w, dtype="bool"), o, o, name=name)
+            checked.append(o)
+        out = keras.tree.pack_sequence_as(out, checked)
     return out
 
 
 # A shape check in a TF graph fails as an InvalidArgumentError when the step runs;
 # `graph_checks_raised` gives it as the ValueError that the other backends raise.
 _IN_GRAPH, _GOT, _WANT = "[callscope] ", "(the first shape below)", "(the second)"
+_SHAPE_CHECKS: dict[str, str] = {}  # a reshape's name -> its message (XLA)
+_CHECK_NUMBERS = itertools.count()
 
 
 @contextlib.contextmanager
@@ -366,7 +381,12 @@ def graph_checks_raised():
         text = getattr(error, "message", str(error))
         start = text.find(_IN_GRAPH)
         if start < 0:
-            raise
+            node = re.search(r"\{\{node (?:[^}]*/)?(callscope_shape_check_\d+)\}\}", text)
+            shapes = re.search(r"Incompatible shapes: \[([\d,]*)\] vs\. \[([\d,]*)\]", text)
+            if node is None or node.group(1) not in _SHAPE_CHECKS or shapes is None:
+                raise
+            got, want = (str(tuple(int(n) for n in s.split(",") if n)) for s in shapes.groups())
+            raise ValueError(_SHAPE_CHECKS[node.group(1)].format(got=got, want=want)) from None
         message = text[start + len(_IN_GRAPH):].split("] [Condition", 1)[0]
         message = message.replace("\\'", "'")  # (TF's printing escapes quotes)
         shapes = re.findall(r"\[x \(.*?\) = \] \[([\d ]*)\] \[y \(.*?\) = \] "

@@ -78,14 +78,15 @@ class ArrayPatch(DynamicPatch):
     """A patch by a full-data array: each batch gets its own rows (`batch.start`
     onwards). The array is an input of the compiled step (see `DynamicPatch`)."""
 
-    def __init__(self, array, point: str):
+    def __init__(self, array, point: str, given=None):
         super().__init__({"array": np.asarray(array)})
         self.rows = len(self.values["array"])
         self.point = point
+        self.given = given  # the dtype the user passed, where `_widened` changed it
 
     def __call__(self, value, batch, values):
         array = values["array"]
-        _check_kind(self.point, array.dtype, value.dtype)
+        _check_kind(self.point, array.dtype, value.dtype, self.given)
         # Clamped, so a batch past the end never fails inside the step: the run
         # raises a clear error when the step returns (`RowOffset.check_end`).
         rows = ops.minimum(ops.arange(batch.rows, dtype="int32") + batch.start,
@@ -93,12 +94,14 @@ class ArrayPatch(DynamicPatch):
         return ops.cast(ops.take(array, rows, axis=0), value.dtype)
 
 
-def _check_kind(point: str, given, wanted) -> None:
+def _check_kind(point: str, given, wanted, passed=None) -> None:
     """An array patch is cast to the point's dtype: refused where the cast would
-    change values beyond rounding (floats to ints truncate, numbers to bools)."""
+    change values beyond rounding (floats to ints truncate, numbers to bools).
+    `passed`: the dtype the user passed, where it was widened to `given`."""
     if _inputs.may_hold(wanted, given):
         return
     given, wanted = (keras.backend.standardize_dtype(d) for d in (given, wanted))
+    given = str(passed) if passed is not None else given
     raise TypeError(
         f"The array patch of `{point}` holds {given} values, and the point's value is "
         f"{wanted}: the cast would change them ({_inputs.cast_loss(wanted)}). Pass an "
@@ -242,7 +245,8 @@ def _normalized(point, fn, values):
                 f"An array patch of `{point}` gives one row per row of the data, so it "
                 f"needs a batch axis. Received: an array of shape {array.shape}"
             )
-        return ArrayPatch(_numbers(array, f"The array patch of `{point}`"), point)
+        held = _numbers(array, f"The array patch of `{point}`")
+        return ArrayPatch(held, point, array.dtype if held.dtype != array.dtype else None)
     if not callable(fn):
         raise TypeError(
             "`cs.patch` takes {point (str): fn(value), fn(value, batch) or an array}. "
