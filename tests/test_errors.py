@@ -583,3 +583,33 @@ def test_a_callback_restating_the_calls_own_dynamic_value_is_no_error():
             model.fit(x, y, batch_size=4, verbose=0, t=0.5, callbacks=[changes])
         finally:
             changes.scope.__exit__(None, None, None)
+
+
+def test_a_scope_a_callback_opens_as_its_call_returns_is_the_callers_after():
+    # Ended with the call whatever happened, a capture and a patch opened in
+    # `on_train_end` silently took no later call.
+    model = cs.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="h")], name="net")
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+    x, y = np.ones((8, 4), "float32"), np.ones((8, 3), "float32")
+    stock = model.predict(x, verbose=0)
+
+    class OpensAtEnd(keras.callbacks.Callback):
+        def on_train_end(self, logs=None):
+            self.scopes = [cs.capture(self.model, "net/h"),
+                           cs.patch(self.model, {"net/h": lambda v: v * 0.0}),
+                           cs.context(mode="late")]
+            for scope in self.scopes:
+                scope.__enter__()
+
+    opens = OpensAtEnd()
+    with pytest.warns(UserWarning, match=r"`cs.context\(mode='late'\)` was opened inside a "
+                      r"call .* and was still open when the call returned, so it ended with "
+                      r"the call"):
+        model.fit(x, y, batch_size=4, verbose=0, callbacks=[opens])
+    assert cs.current("mode") is None
+    patched = model.predict(x, verbose=0)  # the capture and the patch are open
+    for scope in reversed(opens.scopes):
+        scope.__exit__(None, None, None)
+    np.testing.assert_array_equal(patched, np.zeros((8, 3)))
+    np.testing.assert_array_equal(opens.scopes[0]["net/h:output"], np.zeros((8, 3)))
+    np.testing.assert_allclose(model.predict(x, verbose=0), stock, rtol=1e-6)

@@ -510,8 +510,8 @@ class _Decodes(cs.Model):
     def call(self, x):
         return self.head(self.block(x))
 
-    def decode(self, x):
-        return self.head(self.block(x))
+    def decode(net, x):  # (a method's first argument, by another name than self)
+        return net.head(net.block(x))
 
 
 @pytest.mark.parametrize("scope", ["capture", "patch"])
@@ -531,11 +531,24 @@ def test_layers_a_method_calls_outside_any_call_of_the_model_are_refused(scope):
     # A layer called on its own, or by another model that shares it, is no call
     # of the model: nothing to record or patch, and no error.
     shares = keras.Sequential([model.block])
+
+    class Holds(keras.Model):  # a stock model holding it, calling its layer too
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def call(this, x):
+            return this.inner.head(this.inner.block(x)) + this.inner(x)
+
+    holds = Holds(model)
     with opened():
         alone = numpy(model.head(np.ones((8, 4), "float32")))
         shared = numpy(shares(X))
+        held = numpy(holds(X))
     np.testing.assert_allclose(alone, numpy(model.head(np.ones((8, 4), "float32"))), rtol=1e-6)
     np.testing.assert_allclose(shared, numpy(model.block(X)), rtol=1e-6)
+    if scope == "capture":  # nothing patched: both halves are the model's output
+        np.testing.assert_allclose(held, 2 * numpy(model(X)), rtol=1e-6)
     with opened() as inside:  # a call of the model inside the scope is one
         out = numpy(model(X))
     if scope == "capture":

@@ -899,12 +899,13 @@ def _check_real(key: str, value) -> None:
     failed inside the step with a bare `UnimplementedError`."""
     dtype = keras.backend.standardize_dtype(value.dtype)
     if dtype.startswith("complex") or dtype == "string":
+        stands = ("(`keras.ops.abs(v)`, `keras.ops.real(v)`)" if dtype != "string"
+                  else "(a length, a count)")
         raise TypeError(
             f"cs.capture(reduce=...) computes statistics of real numbers, and "
             f"`{key}` holds {dtype} values. Sow a real value that stands for them "
-            "(`keras.ops.abs(v)`, `keras.ops.real(v)`), or capture this point in full "
-            f"(`reduce=None`, or leave it out of `select`). Received: `{key}` of dtype "
-            f"{dtype}")
+            f"{stands}, or capture this point in full (`reduce=None`, or leave it out "
+            f"of `select`). Received: `{key}` of dtype {dtype}")
 
 
 def _check_ints_held(point: str, array: np.ndarray, tensor) -> None:
@@ -1157,7 +1158,7 @@ _STACK_LIMIT = 256  # frames looked at for the method that runs (a deep decode l
 
 def _check_inside_a_call(layer) -> None:
     """Refuses a layer's call made in a method of the captured (or patched) model,
-    or of a model holding it, outside any call of a callscope model: keras_hub's
+    or of a callscope model holding it, outside any call of a callscope model: keras_hub's
     `generate` calls the layers itself, and would record nothing and take no
     patch, without a word. A layer called otherwise (on its own, in another model
     that shares it, in a shape-only trace) is no call of the model, and records
@@ -1177,9 +1178,11 @@ def _check_inside_a_call(layer) -> None:
             frame = frame.f_back if frame is not None else None
             if frame is None:
                 break
-            owner = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames else None
-            if owner is model or (isinstance(owner, keras.Model) and any(
-                    inner is model for inner in _keras_compat.flatten_layers(owner))):
+            code = frame.f_code  # a method's first argument (`self`, by any name)
+            owner = frame.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
+            if owner is model or (isinstance(owner, keras.Model) and hasattr(owner, "_cs")
+                                  and any(inner is model for inner
+                                          in _keras_compat.flatten_layers(owner))):
                 method = frame.f_code.co_name.removeprefix("tf__")  # (autograph's copy)
                 raise RuntimeError(OUTSIDE_A_CALL.format(
                     what=what, model=model.name, layer=layer.name, method=method,

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import threading
+import warnings
 from collections.abc import Iterator, Mapping
 import dataclasses
 from dataclasses import dataclass, field
@@ -167,15 +168,30 @@ def pushed(frame_: Frame) -> Iterator[None]:
     token = push(frame_)
     try:
         yield
-    finally:
-        # A user's scope opened inside and still open (a callback's, whose call
-        # raised) ends here: its later exit does nothing.
-        current = _FRAME.get()
-        while current is not frame_ and current is not None:
-            if current.owner is not None:
-                current.owner.dropped = True
-            current = current.parent
+    except BaseException:
+        _end_contexts_above(frame_, warn=False)
         pop(token)
+        raise
+    _end_contexts_above(frame_, warn=True)
+    pop(token)
+
+
+def _end_contexts_above(frame_: Frame, warn: bool) -> None:
+    """A user's `cs.context` opened inside and still open (a callback's, whose
+    call raised before the callback closed it) ends with the call, whose frame it
+    sits on: its later exit does nothing (it put the call's frame back)."""
+    current = _FRAME.get()
+    while current is not frame_ and current is not None:
+        if current.owner is not None:
+            current.owner.dropped = True
+            if warn:
+                warnings.warn(
+                    f"{current.owner.what} was opened inside a call (in a callback, or a "
+                    "layer's `call`) and was still open when the call returned, so it "
+                    "ended with the call: later calls do not see it. Close it where it "
+                    "was opened, or open it outside the call. Received: a scope left open "
+                    "in a call", stacklevel=4)
+        current = current.parent
 
 
 def push(frame_: Frame):
@@ -488,13 +504,15 @@ class _OpenPatch(tuple):
 
 @contextlib.contextmanager
 def ending_scopes_opened_in(run) -> Iterator[None]:
-    """A call's end also ends the captures and patches opened inside it and still
-    open (a callback's, whose call raised before the callback closed it): their
-    later exit does nothing. (They stayed open: a patch went on patching every
-    later call, a capture recording it. A context ends in `pushed`.)"""
+    """A call that raises also ends the captures and patches opened inside it and
+    still open (a callback's, whose call raised before the callback closed it):
+    their later exit does nothing. (They stayed open: a patch went on patching
+    every later call, a capture recording it. A context ends in `pushed`.) A call
+    that returns leaves them open: a scope a callback opens at its end is the
+    caller's from then on."""
     try:
         yield
-    finally:
+    except BaseException:
         for index, var in ((1, _CAPTURES), (2, _PATCHES)):
             began, now = run.scopes[index], var.get()
             if now is began or len(now) <= len(began) or any(
@@ -503,6 +521,7 @@ def ending_scopes_opened_in(run) -> Iterator[None]:
             for item in now[len(began):]:
                 getattr(item, "scope", item).dropped = True
             var.set(began)
+        raise
 
 
 def open_patch(model, patches: Mapping) -> Entered:
