@@ -555,6 +555,8 @@ def test_a_scope_a_refused_callback_left_open_ends_with_the_call(scope):
     np.testing.assert_allclose(model.predict(x, verbose=0), stock, rtol=1e-6)
     if scope == "capture":
         assert list(opens.scope) == []
+        with pytest.raises(RuntimeError, match=r"A `cs.capture` is not open: it was exited"):
+            opens.scope.__exit__(None, None, None)
 
 
 def test_a_callback_restating_the_calls_own_dynamic_value_is_no_error():
@@ -562,7 +564,9 @@ def test_a_callback_restating_the_calls_own_dynamic_value_is_no_error():
     model.register_context_args("t", dynamic=True)
     model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
     x, y = np.ones((8, 4), "float32"), np.ones((8, 3), "float32")
-    for given, restated in [(0.5, 0.5), (0.5, np.float32(0.5)), (np.float32(0.5), 0.5)]:
+    # (The call holds 0.1 as float32: restated as a Python float, it is the same.)
+    for given, restated in [(0.5, 0.5), (0.5, np.float32(0.5)), (np.float32(0.5), 0.5),
+                            (0.1, 0.1), (np.float64(0.1), 0.1), (True, True), (3, 3)]:
         class Restates(keras.callbacks.Callback):
             def on_train_begin(self, logs=None, restated=restated):
                 self.scope = cs.context(t=restated)

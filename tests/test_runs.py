@@ -541,12 +541,18 @@ def test_layers_a_method_calls_outside_any_call_of_the_model_are_refused(scope):
             return this.inner.head(this.inner.block(x)) + this.inner(x)
 
     holds = Holds(model)
+
+    def embed(net, x):  # a function that takes the model first: no method of it
+        return net.block(x)
+
     with opened():
         alone = numpy(model.head(np.ones((8, 4), "float32")))
         shared = numpy(shares(X))
         held = numpy(holds(X))
+        embedded = numpy(embed(model, X))
     np.testing.assert_allclose(alone, numpy(model.head(np.ones((8, 4), "float32"))), rtol=1e-6)
     np.testing.assert_allclose(shared, numpy(model.block(X)), rtol=1e-6)
+    np.testing.assert_allclose(embedded, numpy(model.block(X)), rtol=1e-6)
     if scope == "capture":  # nothing patched: both halves are the model's output
         np.testing.assert_allclose(held, 2 * numpy(model(X)), rtol=1e-6)
     with opened() as inside:  # a call of the model inside the scope is one

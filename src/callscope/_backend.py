@@ -365,7 +365,8 @@ def check_same_shape(out, value, message: str):
 # A shape check in a TF graph fails as an InvalidArgumentError when the step runs;
 # `graph_checks_raised` gives it as the ValueError that the other backends raise.
 _IN_GRAPH, _GOT, _WANT = "[callscope] ", "(the first shape below)", "(the second)"
-_SHAPE_CHECKS: dict[str, str] = {}  # a reshape's name -> its message (XLA)
+# A check's node name -> its message (XLA): one per patched point per TF trace.
+_SHAPE_CHECKS: dict[str, str] = {}
 _CHECK_NUMBERS = itertools.count()
 
 
@@ -394,7 +395,8 @@ def graph_checks_raised():
         if shapes:
             got, want = (str(tuple(int(n) for n in s.split())) for s in shapes[0])
             message = message.replace(_GOT, got).replace(_WANT, want)
-        raise ValueError(message) from None
+        # (TF's own error, with the shapes as it printed them, where they were not read)
+        raise ValueError(message) from (None if shapes else error)
 
 
 @contextlib.contextmanager

@@ -286,6 +286,8 @@ class Capture(Mapping):
         # raises with the scope as it was, for the right exit.
         if not self.dropped:  # (ended with the call it was opened in: `ending_scopes...`)
             _scope.exit_capture(None if self._closed else self._token, self, self._thread)
+        elif self._closed:
+            raise RuntimeError("A `cs.capture` is not open: it was exited already.")
         late = whole = False
         try:
             with self._lock:
@@ -431,8 +433,8 @@ class Capture(Mapping):
         )
 
 
-# What each sort of point is (`_capturing._sorts`), and the kinds it has.
-# Each sort of point: what it is, and the kinds it has (every sort has `grad`).
+# What each sort of point is (`_capturing._sorts`), and the kinds it has (every
+# sort has `grad`).
 _SORTS = {
     "sown": ("a sown value", ("output", "grad")),
     "element": ("an element of a layer's output", ("output", "grad")),

@@ -24,7 +24,7 @@ _JAX = keras.backend.backend() == "jax"
 _TF = keras.backend.backend() == "tensorflow"
 
 
-def _checked(function):
+def _shape_errors_raised(function):
     """`function`, its patches' shape checks in the TF graph raised as ValueErrors."""
     def call(*args, **kwargs):
         with _backend.graph_checks_raised():
@@ -153,7 +153,7 @@ class RunFunction:
         if inputs and _JAX:  # beside each batch, placed on the device once per run
             args = (args[0], _inputs.wrapped(args[1], inputs), *args[2:])
         if _TF and run is not None and run.patches:
-            function = _checked(function)
+            function = _shape_errors_raised(function)
         if run is None or not (run.dynamic or run.replicated or run.offset
                                or (inputs and not _JAX)):  # common case
             with _scope.steps_of(model):

@@ -1180,13 +1180,27 @@ def _check_inside_a_call(layer) -> None:
                 break
             code = frame.f_code  # a method's first argument (`self`, by any name)
             owner = frame.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
+            if owner is None or not _is_method_of(owner, code):
+                continue
             if owner is model or (isinstance(owner, keras.Model) and hasattr(owner, "_cs")
                                   and any(inner is model for inner
                                           in _keras_compat.flatten_layers(owner))):
-                method = frame.f_code.co_name.removeprefix("tf__")  # (autograph's copy)
+                method = code.co_name.removeprefix("tf__")  # (autograph's copy)
                 raise RuntimeError(OUTSIDE_A_CALL.format(
                     what=what, model=model.name, layer=layer.name, method=method,
                     owner=owner.name))
+
+
+def _is_method_of(owner, code) -> bool:
+    """Whether `code` runs a method of `owner`'s class (not a function that takes
+    the model first: `embed(model, x)`). TF's autograph runs a converted copy,
+    `tf__<name>`, of a method of that name."""
+    converted = code.co_name.startswith("tf__")
+    method = inspect.getattr_static(type(owner), code.co_name.removeprefix("tf__"), None)
+    method = getattr(method, "__func__", method)  # (a classmethod, a staticmethod)
+    if not callable(method):
+        return False
+    return converted or getattr(inspect.unwrap(method), "__code__", None) is code
 
 
 def _symbolic(args, kwargs) -> bool:

@@ -153,10 +153,14 @@ def _same_value(before: Any, now: Any) -> bool:
     if before is None:
         return False
     numbers = tuple(_is_numbers(v) for v in (before, now))
-    if any(numbers):  # a dynamic value: the call holds it as a numpy array
+    if any(numbers):  # a dynamic value: the call holds it in its variable's dtype
         if not all(numbers):
             return False
-        before, now = np.asarray(before), np.asarray(now)
+        before = np.asarray(before)
+        try:  # as the call would hold it (0.1 as float32; True as the bool it is)
+            now = np.asarray(now).astype(before.dtype)
+        except (TypeError, ValueError):
+            return False
         return before.shape == now.shape and bool(np.array_equal(before, now))
     if _keys.is_tensor_like(before) or _keys.is_tensor_like(now):
         return False
@@ -170,7 +174,7 @@ def _is_numbers(value) -> bool:
     """A Python number or a numpy array or scalar of numbers (a dynamic value)."""
     if isinstance(value, (np.ndarray, np.generic)):
         return value.dtype.kind in "biufc"
-    return isinstance(value, (int, float, complex)) and not isinstance(value, bool)
+    return isinstance(value, (bool, int, float, complex))
 
 
 class RowOffset:

@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import threading
 import warnings
 from collections.abc import Iterator, Mapping
-import dataclasses
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -177,9 +177,10 @@ def pushed(frame_: Frame) -> Iterator[None]:
 
 
 def _end_contexts_above(frame_: Frame, warn: bool) -> None:
-    """A user's `cs.context` opened inside and still open (a callback's, whose
-    call raised before the callback closed it) ends with the call, whose frame it
-    sits on: its later exit does nothing (it put the call's frame back)."""
+    """A user's `cs.context` opened inside and still open when the call ends (a
+    callback's, whose call raised before the callback closed it, or one it opened
+    at the end) ends with the call, whose frame it sits on: its later exit does
+    nothing (it put the call's frame back). `warn`: the call returned."""
     current = _FRAME.get()
     while current is not frame_ and current is not None:
         if current.owner is not None:
