@@ -589,6 +589,38 @@ def test_a_callback_restating_the_calls_own_dynamic_value_is_no_error():
             changes.scope.__exit__(None, None, None)
 
 
+@pytest.mark.parametrize("given,restated", [(1, 1.5), (1, True), (1.0, 1), ("a", "b")])
+def test_a_callback_changing_a_static_value_is_refused_as_its_key_tells_them_apart(
+        given, restated):
+    # Compared as numbers in the first value's dtype, 1.5 (and True) passed for a
+    # static 1, and the compiled step went on with 1, silently.
+    model = cs.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    model.register_context_args("t")
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+    x, y = np.ones((8, 4), "float32"), np.ones((8, 3), "float32")
+
+    class Opens(keras.callbacks.Callback):
+        def __init__(self, value):
+            super().__init__()
+            self.value = value
+
+        def on_train_begin(self, logs=None):
+            self.scope = cs.context(t=self.value)
+            self.scope.__enter__()
+
+        def on_train_end(self, logs=None):
+            self.scope.__exit__(None, None, None)
+
+    model.fit(x, y, batch_size=4, verbose=0, t=given, callbacks=[Opens(given)])
+    changes = Opens(restated)
+    with pytest.raises(RuntimeError, match=rf"`cs.context\(t={re.escape(repr(restated))}\)` "
+                       r"was opened while `fit` runs"):
+        try:
+            model.fit(x, y, batch_size=4, verbose=0, t=given, callbacks=[changes])
+        finally:
+            changes.scope.__exit__(None, None, None)
+
+
 def test_a_scope_a_callback_opens_as_its_call_returns_is_the_callers_after():
     # Ended with the call whatever happened, a capture and a patch opened in
     # `on_train_end` silently took no later call.

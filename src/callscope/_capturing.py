@@ -91,7 +91,7 @@ class CaptureMixin:
         """A capture or patch that names a layer inside an RNN exactly is refused
         before the run, on every backend alike (some fuse the loop and never call
         the cell)."""
-        owners = {id(layer): layer for layer in _keras_compat.flatten_layers(self)}
+        owners = _keras_compat.layers_held(self)
         named = [(c.model, s) for c in captures if isinstance(c.spec.select, tuple)
                  for s in c.spec.select]
         named += [(owners.get(owner), point) for owner, point, _ in patches]

@@ -235,7 +235,7 @@ class Engine(CaptureMixin):
             if model is self:
                 return True
             if inside is None:
-                inside = {id(layer) for layer in _keras_compat.flatten_layers(self)}
+                inside = _keras_compat.layers_held(self)
             return id(model) in inside
 
         return ours

@@ -137,6 +137,9 @@ class RunFunction:
 
     def __init__(self, model, kind: str, function):
         self.model, self.kind, self.__wrapped__ = model, kind, function
+        # TF: the function a run with patches calls (their shape checks raised as
+        # ValueErrors), made once here rather than at every step.
+        self._checked = _shape_errors_raised(function) if _TF else function
 
     def __call__(self, *args, **kwargs):
         model, function = self.model, self.__wrapped__
@@ -152,8 +155,8 @@ class RunFunction:
         inputs = run.inputs_for(self.kind) if run is not None and run.has_inputs else None
         if inputs and _JAX:  # beside each batch, placed on the device once per run
             args = (args[0], _inputs.wrapped(args[1], inputs), *args[2:])
-        if _TF and run is not None and run.patches:
-            function = _shape_errors_raised(function)
+        if run is not None and run.patches:
+            function = self._checked
         if run is None or not (run.dynamic or run.replicated or run.offset
                                or (inputs and not _JAX)):  # common case
             with _scope.steps_of(model):

@@ -157,7 +157,7 @@ def _points_of(model, tree) -> list[str]:
 
 def _open_patches(model) -> tuple:
     """The caller's open patches of `model` and of the models inside it."""
-    inside = {id(model), *(id(layer) for layer in _keras_compat.flatten_layers(model))}
+    inside = _keras_compat.layers_held(model)
     return _scope.patches_where(lambda owner: id(owner) in inside)
 
 

@@ -957,6 +957,13 @@ def flatten_layers(model):
     return model._flatten_layers(include_self=True, recursive=True)
 
 
+def layers_held(model) -> dict:
+    """`{id(layer): layer}` for `model` and every layer under it: the one answer to
+    "is this layer (or model) part of that model?" (`flatten_layers` reaches each
+    layer's direct children too, so they need no walk of their own)."""
+    return {id(layer): layer for layer in flatten_layers(model)}
+
+
 def rematerialized_layers(model) -> list:
     """`(layer, mode)` for each layer under `model` whose `call` Keras runs inside
     a checkpoint, by the rules of `rematerialized_call` (keras 3.15.1:

@@ -1169,9 +1169,7 @@ def _check_inside_a_call(layer) -> None:
     scopes = [("A `cs.capture`", c.model) for c in _scope.open_captures()] + [
         ("A `cs.patch`", model) for model, _ in _scope.open_patches()]
     for what, model in scopes:
-        held = {id(child) for parent in _keras_compat.flatten_layers(model)
-                for child in (parent, *_keras_compat.child_layers(parent))}
-        if id(layer) not in held:
+        if id(layer) not in _keras_compat.layers_held(model):
             continue
         frame = inspect.currentframe()
         for _ in range(_STACK_LIMIT):
@@ -1183,8 +1181,7 @@ def _check_inside_a_call(layer) -> None:
             if owner is None or not _is_method_of(owner, code):
                 continue
             if owner is model or (isinstance(owner, keras.Model) and hasattr(owner, "_cs")
-                                  and any(inner is model for inner
-                                          in _keras_compat.flatten_layers(owner))):
+                                  and id(model) in _keras_compat.layers_held(owner)):
                 method = code.co_name.removeprefix("tf__")  # (autograph's copy)
                 raise RuntimeError(OUTSIDE_A_CALL.format(
                     what=what, model=model.name, layer=layer.name, method=method,

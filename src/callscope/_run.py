@@ -109,25 +109,24 @@ class Run:
         readable = set(model._cs.names) | set(self.entry.reads)
         for name, value in frame.values.items():
             if value is not None and name in readable and not _same_value(
-                    began.values.get(name), value):
+                    model, name, began.values.get(name), value):
                 return _scope.StrayValueError(_opened(
                     f"`cs.context({name}={value!r})`", self.method,
                     f"`{name}` stays {began.values.get(name)!r}",
                     f"pass the value to the call (`{self.method}(..., {name}=...)`)",
                     f"{name}={value!r}"))
         owns = model._cs_owns()
-        for capture in captures:
-            if not any(capture is c for c in captured) and owns(capture.model):
-                return RuntimeError(_opened(
-                    "A `cs.capture`", self.method, "the capture stays empty",
-                    f"open it around the call (`with cs.capture(...): model."
-                    f"{self.method}(...)`)", f"a capture of `{capture.model.name}`"))
-        for item in patches:
-            if not any(item is p for p in patched) and owns(item[0]):
-                return RuntimeError(_opened(
-                    "A `cs.patch`", self.method, "its points stay unpatched",
-                    f"open it around the call (`with cs.patch(...): model."
-                    f"{self.method}(...)`)", f"patches={sorted(item[1])}"))
+        for scope_of, opened, held, model_of, effect, received in (
+                ("cs.capture", captures, captured, lambda c: c.model, "the capture stays empty",
+                 lambda c: f"a capture of `{c.model.name}`"),
+                ("cs.patch", patches, patched, lambda p: p[0], "its points stay unpatched",
+                 lambda p: f"patches={sorted(p[1])}")):
+            for scope in opened:
+                if not any(scope is h for h in held) and owns(model_of(scope)):
+                    return RuntimeError(_opened(
+                        f"A `{scope_of}`", self.method, effect,
+                        f"open it around the call (`with {scope_of}(...): "
+                        f"model.{self.method}(...)`)", received(scope)))
         return None
 
     def end(self, error: BaseException | None = None) -> None:
@@ -145,21 +144,19 @@ def _opened(what: str, method: str, effect: str, fix: str, received: str) -> str
         f"(`model.predict(...)`), which sees it. Received: {received}")
 
 
-def _same_value(before: Any, now: Any) -> bool:
-    """Whether a value set again is the one the call keys on (as a key tells
-    values apart; a tensor only as itself)."""
+def _same_value(model, name: str, before: Any, now: Any) -> bool:
+    """Whether `now`, set again for `name`, is the value the call holds: a dynamic
+    value as its variable holds it (0.1 as float32, `True` as the bool it is, by
+    the conversion the call itself made), any other as its key tells values apart
+    (`1` is not `1.0`; a tensor only as itself)."""
     if before is now:
         return True
     if before is None:
         return False
-    numbers = tuple(_is_numbers(v) for v in (before, now))
-    if any(numbers):  # a dynamic value: the call holds it in its variable's dtype
-        if not all(numbers):
-            return False
-        before = np.asarray(before)
-        try:  # as the call would hold it (0.1 as float32; True as the bool it is)
-            now = np.asarray(now).astype(before.dtype)
-        except (TypeError, ValueError):
+    if name in model._cs.dynamic:  # (the frame holds the call's converted array)
+        try:
+            now = model._cs_dynamic_array(name, now)
+        except (TypeError, ValueError):  # a value the call could not hold
             return False
         return before.shape == now.shape and bool(np.array_equal(before, now))
     if _keys.is_tensor_like(before) or _keys.is_tensor_like(now):
@@ -168,13 +165,6 @@ def _same_value(before: Any, now: Any) -> bool:
         return _keys.freeze(before) == _keys.freeze(now)
     except Exception:  # noqa: BLE001 (a value whose `==` raises: not the same)
         return False
-
-
-def _is_numbers(value) -> bool:
-    """A Python number or a numpy array or scalar of numbers (a dynamic value)."""
-    if isinstance(value, (np.ndarray, np.generic)):
-        return value.dtype.kind in "biufc"
-    return isinstance(value, (bool, int, float, complex))
 
 
 class RowOffset:

@@ -657,9 +657,7 @@ def run_inside(layer) -> bool:
     """Is a run of `layer`, or of a model that holds it, in progress here?"""
     from callscope import _keras_compat
 
-    return any(run.model is layer or any(sub is layer for sub in
-                                         _keras_compat.flatten_layers(run.model))
-               for run in _RUNS.get())
+    return any(id(layer) in _keras_compat.layers_held(run.model) for run in _RUNS.get())
 
 
 def runs_here() -> tuple:
