@@ -130,6 +130,22 @@ def test_sowing_anything_but_one_tensor_is_a_type_error(kind, reduce):
     assert "m/s/v" in cs.points(dense, X)
 
 
+def test_sowing_a_keras_tensor_while_building_a_functional_model_is_refused():
+    # Nothing runs that line when the model is called: it recorded nothing, silently.
+    sows = _Sows(lambda x: x, name="s")
+    inputs = keras.Input((2,))
+    hidden = keras.layers.Dense(2, name="d")(inputs)
+    with pytest.raises(ValueError, match=r"`cs.sow` was given a symbolic KerasTensor: .*"
+                       r"Received: name='h', value=<KerasTensor shape=\(None, 2\)"):
+        cs.sow(sows, "h", hidden)
+    # A layer that sows inside its `call`, built into a functional model, records.
+    model = cs.Model(inputs, sows(hidden), name="m")
+    with cs.capture(model, "m/s/v") as cap:
+        model.predict(X, verbose=0)
+    np.testing.assert_allclose(cap["m/s/v:output"],
+                               keras.ops.convert_to_numpy(model.get_layer("d")(X)), rtol=1e-6)
+
+
 @pytest.mark.parametrize("value", [3.0, 7, np.arange(3.0), np.float64(3.5), np.int64(7)],
                          ids=["float", "int", "array", "np.float64", "np.int64"])
 def test_a_sown_number_or_numpy_array_is_recorded_as_a_tensor(value):

@@ -647,6 +647,15 @@ def emit(values: Mapping[str, list]) -> None:
 _CHECKED_NAMES: set[str] = set()
 
 
+SOW_SYMBOLIC = (
+    "`cs.sow` was given a symbolic KerasTensor: that runs while a functional model is "
+    "being built, outside any layer's `call`, and calling the model never runs that "
+    "line again, so the point would record nothing (and take no patch). Sow inside a "
+    "layer's `call` (a small layer of your own around the value), or capture the output "
+    "of the layer that makes it (`cs.capture(model, \"<its point>\")`). Received: "
+    "name={name!r}, value={value!r}")
+
+
 def check_sow_name(name) -> None:
     """A sown name is one path element: keys reserve `/ : @ | #` and glob
     characters, and `%` starts what `_points.escaped` encodes."""
@@ -714,6 +723,8 @@ def sow(layer: keras.layers.Layer, name: str, value: Any, *,
     (2, 3)
     """
     check_sow_name(name)
+    if isinstance(value, keras.KerasTensor):
+        raise ValueError(SOW_SYMBOLIC.format(name=name, value=value))
     collector = active_collector()
     patches = active_patches()
     checkpoint = None  # torch: the checkpoint pass this call is part of (`_recompute`)
@@ -726,7 +737,7 @@ def sow(layer: keras.layers.Layer, name: str, value: Any, *,
                 return value
             return _masked_like(noted[0].run(noted[1], _one_tensor(noted[1][1], value)), value,
                                 fresh=False)
-    if collector is None or isinstance(value, keras.KerasTensor):
+    if collector is None:
         return value
     point = collector.sown_point(layer, name)
     depth = len(collector.stack)
