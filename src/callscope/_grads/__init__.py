@@ -38,6 +38,19 @@ else:  # pragma: no cover - keras has no other backend callscope supports
     raise ImportError(f"callscope supports jax, tensorflow and torch. Received: {BACKEND}")
 
 
+def unscaled(grad, scale):
+    """d loss / d point from `grad`, that of the loss times `scale` (a loss scale),
+    divided in float32 where the point is float16 or bfloat16, and kept in float32:
+    cast back, what loss scaling kept would be lost again (float16 rounds values
+    under 6e-5 and flushes those under 6e-8 to 0), and float16 cannot hold a scale
+    above 65504. A wider gradient is divided as it is."""
+    dtype = grad.dtype if keras.backend.standardize_dtype(grad.dtype) not in _HALF else "float32"
+    return keras.ops.divide(keras.ops.cast(grad, dtype), keras.ops.cast(scale, dtype))
+
+
+_HALF = ("float16", "bfloat16")
+
+
 def require_loss(collector, kind: str) -> None:
     if collector.loss is None and collector.took_grads_inside:
         raise ValueError(

@@ -76,8 +76,7 @@ def step_with_grads(model, kind, step, args, kwargs, collector):
                                          has_aux=True)
             (loss, aux), (grads, source_grads) = grad_fn(trainable, zeros)
             if scale is not None:  # it differentiated loss * scale
-                # In float32: a float16 gradient cannot hold a scale above 65504.
-                source_grads = {name: (g.astype("float32") / scale).astype(g.dtype)
+                source_grads = {name: _grads.unscaled(g, scale)
                                 for name, g in source_grads.items()}
         else:
             grad_fn = jax.value_and_grad(lambda p: perturbed(p, trainable), has_aux=True)

@@ -88,7 +88,7 @@ def _recording(collector, backward=None):
         yield tape
 
 
-def _file(collector, tape, loss, backward=None) -> None:
+def _file(collector, tape, loss, backward=None, scale=None) -> None:
     sources = collector.grad_source_list()
     grads = {}
     if backward is not None:
@@ -99,10 +99,23 @@ def _file(collector, tape, loss, backward=None) -> None:
                 grads[name] = taken
     rest = [(name, t) for name, t in sources if name not in grads]
     if rest:
-        found = tape.gradient(loss, [t for _, t in rest],
-                              unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        found = _gradient(tape, loss, [t for _, t in rest])
         grads.update((name, tf.convert_to_tensor(g)) for (name, _), g in zip(rest, found))
+    half = [(name, t) for name, t in rest if t.dtype in (tf.float16, tf.bfloat16)]
+    if scale is not None and half:
+        # As the step's own backward does: of the scaled loss, so that what float16
+        # rounds away or flushes to 0 is kept, unscaled in float32. Where that
+        # overflows (a step Keras skips), the unscaled loss's gradient, widened.
+        scaled = _gradient(tape, loss, [t for _, t in half], tf.cast(scale, loss.dtype))
+        for (name, _), g in zip(half, scaled):
+            grads[name] = tf.where(tf.reduce_all(tf.math.is_finite(g)),
+                                   _grads.unscaled(g, scale), tf.cast(grads[name], "float32"))
     collector.add_grads({name: grads[name] for name, _ in sources})  # in call order
+
+
+def _gradient(tape, loss, tensors, seed=None):
+    return tape.gradient(loss, tensors, output_gradients=seed,
+                         unconnected_gradients=tf.UnconnectedGradients.ZERO)
 
 
 def at_loss(collector, loss) -> None:
@@ -114,11 +127,15 @@ def at_loss(collector, loss) -> None:
 def step_with_grads(model, kind, step, args, kwargs, collector):
     backward = _Backward() if _stock_backward(model, kind) else None
     collector.grad_hooks = backward
+    # What the step's `scale_loss` multiplies its loss by, read before the step
+    # (whose `apply` may change a LossScaleOptimizer's scale).
+    scale = (model.optimizer.scale_loss(tf.ones((), "float32"))
+             if kind == "train" and _keras_compat.scales_loss(model.optimizer) else None)
     try:
         with _recording(collector, backward) as tape:
             result = step(model, *args, **kwargs)
         _grads.require_loss(collector, kind)
-        _file(collector, tape, collector.loss, backward)
+        _file(collector, tape, collector.loss, backward, scale)
     finally:
         collector.grad_hooks = None
     return result

@@ -67,12 +67,12 @@ class _Hooks:
                 "Please report this with your Keras version. Received: keras "
                 f"{keras.__version__}")
 
-        def unscaled(grad, dtype):  # in float32: float16 cannot hold a scale > 65504
-            return (grad.float() / self.loss.float()).to(dtype) if self.scaled else grad
+        def unscaled(grad):
+            return _grads.unscaled(grad, self.loss) if self.scaled else grad
 
         collector.add_grads({
-            name: unscaled(self.sources[name], tensor.dtype).detach()
-            if name in self.sources else torch.zeros_like(tensor)
+            name: unscaled(self.sources[name]).detach()
+            if name in self.sources else unscaled(torch.zeros_like(tensor)).detach()
             for name, tensor in self.tensors})
         self.release()
 
