@@ -684,3 +684,51 @@ def test_a_capture_runs_a_call_whose_dict_keys_do_not_sort_as_keras_does():
     np.testing.assert_array_equal(captured, plain)
     h = cap["net/dense:output"]
     np.testing.assert_allclose(cap["net/mix:output"], h + h * h, rtol=1e-6)
+
+
+def test_a_capture_that_no_call_reached_warns_that_it_is_empty():
+    # A call in a thread that did not copy the scope's context (a plain
+    # `threading.Thread`, a `ThreadPoolExecutor`) ran uncaptured: the capture
+    # ended empty without a word.
+    import threading
+
+    model = cs.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="d")], name="m")
+    with pytest.warns(UserWarning, match=r"cs.capture of `m` saw no call of the model, so "
+                      r"it is empty.*Received: 0 calls of `m`"):
+        with cs.capture(model, "m/d") as cap:
+            thread = threading.Thread(target=lambda: model.predict(X, verbose=0))
+            thread.start()
+            thread.join()
+    assert len(cap) == 0
+    # A call refused before it began reached the scope: its error says the rest.
+    with cs.capture(model, "m/d") as cap:
+        with pytest.raises(TypeError, match="nope"):
+            model.predict(X, verbose=0, nope=1)
+    assert len(cap) == 0
+
+
+_SHAPE_ERRORS = (TypeError, ValueError, RuntimeError)  # (fit's, on JAX, TF and torch)
+
+
+@pytest.mark.parametrize("to", [False, True])
+def test_a_capture_whose_calls_all_failed_raises_no_error_of_selection(tmp_path, to):
+    # The call failed before its first step reached the point, and the user caught
+    # its error: the scope's exit blamed the selection ("selected nothing: ... a
+    # layer its call skipped").
+    model = cs.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="d")], name="m")
+    model.compile(optimizer="sgd", loss="mse")
+    model.predict(X, verbose=0)
+    directory = tmp_path / "cap" if to else None
+    for select in ("m/d", ["m/d", "m/nothing*"]):
+        with cs.capture(model, select, to=directory) as cap:
+            with pytest.raises(_SHAPE_ERRORS):
+                model.fit(X, np.ones((10, 5), "float32"), verbose=0)
+        assert len(cap) == 0
+        if to:
+            assert not directory.exists()  # left as it was found
+    # A call that ran and recorded nothing still says so.
+    with pytest.raises(ValueError, match="cs.capture selected nothing"):
+        with cs.capture(model, "m/nothing"):
+            with pytest.raises(_SHAPE_ERRORS):
+                model.fit(X, np.ones((10, 5), "float32"), verbose=0)
+            model.predict(X, verbose=0)

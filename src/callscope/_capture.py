@@ -30,6 +30,14 @@ from callscope._writer import WriteError
 from callscope._points import (KINDS, Ranges, Spec, loop_points, nearest, normalize_select,
                                single_calls_hint, tree_points, unmatched_globs)
 
+NO_CALL = (
+    "cs.capture of `{model}` saw no call of the model, so it is empty. It records the "
+    "model's `fit`, `evaluate`, `predict`, `*_on_batch` and `model(x)` calls (and those "
+    "of a callscope model that holds it) made in this thread, or in a context copied "
+    "inside the scope; a function compiled before the scope opened (your own `jax.jit` "
+    "or `tf.function`, keras_hub's `generate` run once already) runs its trace and "
+    "never calls the model again. Call the model inside the scope, in this thread. "
+    "Received: 0 calls of `{model}`")
 WAIT_S = 10.0  # how long a scope's exit waits for its calls in other threads
 
 
@@ -44,7 +52,7 @@ def begin_calls(captures, method: str, runs: tuple) -> tuple:
         return tuple(calls), (_sinks.Landing(tuple(calls)) if calls else None)
     except BaseException:
         for call in calls:
-            call.finish()
+            call.finish(failed=True)
         raise
 
 
@@ -115,6 +123,7 @@ class Capture(Mapping):
         self._id: str | None = None  # its files' owner (`_sinks.OWNER`)
         self._token = None
         self.dropped = False  # ended with the call it was opened in (`_scope`)
+        self.reached = False  # a call of the model (or of one holding it) looked it up
         self._closed = False
         self._late = False  # calls outlived the scope: the last one writes the index
         self._claim: str | None = None  # the directory, claimed while the scope is open
@@ -305,10 +314,13 @@ class Capture(Mapping):
                     + ". Join those threads before the scope closes for a capture that "
                     f"is whole when it does. Received: {len(self._running(True))} "
                     f"call(s) running after WAIT_S={WAIT_S:g} s", stacklevel=2)
-            nothing = whole and bool(self.calls) and not any(len(c) for c in self.calls)
+            empty = whole and bool(self.calls) and not any(len(c) for c in self.calls)
+            # (Calls that all raised, their errors caught inside the scope, may have
+            # failed before reaching what it selects: no error of selection.)
+            nothing = empty and any(not c.failed for c in self.calls)
             with self._lock:  # (the late calls' `_call_finished` waits for this)
                 try:
-                    if (self._dir is not None and (exc_type is not None or nothing)
+                    if (self._dir is not None and (exc_type is not None or empty)
                             and whole and one_process
                             and not any(c._files for c in self.calls)):
                         self._leave_directory()  # as found: the same `to=` works next time
@@ -322,9 +334,11 @@ class Capture(Mapping):
         finally:
             if self._claim is not None and not late:
                 _claimed.release(self._claim)
+        if exc_type is None and not (self.reached or self.dropped):
+            warnings.warn(NO_CALL.format(model=self.model.name), stacklevel=2)
         if exc_type is None and nothing:
             raise ValueError(self._nothing_matched())
-        if exc_type is None and whole and self.calls:
+        if exc_type is None and whole and any(not c.failed for c in self.calls):
             self._check_each_glob_matched()
 
     def _leave_directory(self) -> None:

@@ -224,7 +224,10 @@ class Engine(CaptureMixin):
         """The caller's open captures and patches of this model or of a callscope
         model inside it (its layers record wherever it is called from)."""
         ours = self._cs_owns()
-        return _scope.captures_where(ours), _scope.patches_where(ours)
+        captures = _scope.captures_where(ours)
+        for capture in captures:  # (a capture that no call reached says so at its exit)
+            capture.reached = True
+        return captures, _scope.patches_where(ours)
 
     def _cs_owns(self):
         """A test of whether a capture's or patch's model is this one, or inside it."""
@@ -242,13 +245,13 @@ class Engine(CaptureMixin):
 
     def _cs_run(self, method: str, args: tuple, kwargs: dict) -> Any:
         state = self._cs
+        captures, patches = self._cs_scopes()  # (first: a refused call reached them)
         # Everything below reads (and writes) Keras's arguments by name, wherever
         # the caller put them.
         _check_cache_size(self.context_cache_size)
         args, kwargs = _bind_positional(type(self), method, args, kwargs)
         known = _keras_method(type(self), method)
         given = self._cs_split(method, kwargs, known.accepted, known.keras_own)
-        captures, patches = self._cs_scopes()
         self._cs_check_stray()
         values = self._cs_resolve(given)
         variables = {}

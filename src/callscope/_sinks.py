@@ -406,7 +406,7 @@ class Landing:
             # waits for its calls run in other threads, then writes an index of
             # what is on disk. Outside the lock: that exit holds its capture's lock
             # while it reads this landing's calls.
-            self._release()
+            self._release(failed=error is not None)
         if not problems:
             return
         if error is None:
@@ -416,14 +416,14 @@ class Landing:
         if problems[0] is not error and str(problems[0]) != str(error):
             error.add_note(f"callscope could not finish the capture: {problems[0]}")
 
-    def _release(self) -> None:
+    def _release(self, failed: bool) -> None:
         calls = list(self.calls)
         try:
             while calls:
-                calls.pop(0).finish()
+                calls.pop(0).finish(failed)
         finally:  # one that raised (an interrupt) leaves the others finished too
             for call in calls:
-                call.finish()
+                call.finish(failed)
 
     def _close_writer(self) -> None:
         if self._writer is not None:
@@ -458,6 +458,7 @@ class Call(Mapping):
         # Running from `Capture._begin` to `finish`: the capture's exit waits for
         # the calls of other threads, notified through its condition (`_ended`).
         self._running = False
+        self.failed = False  # the call raised (what it reached may be partial)
         self._thread = 0  # that started it
         self._ended: threading.Condition | None = None
         self._capture = None  # a weak reference: told when a call that outlived it ends
@@ -556,8 +557,10 @@ class Call(Mapping):
         with self.held():
             return {key: dict(entry) for key, entry in self._files.items()}
 
-    def finish(self) -> None:
-        """The call ended (or failed before its run began): its capture may close."""
+    def finish(self, failed: bool) -> None:
+        """The call ended (or `failed`, maybe before its run began): its capture
+        may close."""
+        self.failed = failed
         self._landing = None
         if self._ended is None:
             return
