@@ -505,7 +505,8 @@ def test_two_open_captures_never_stream_into_one_directory(tmp_path, monkeypatch
     with pytest.raises(FileExistsError):  # a refused scope gives its directory back
         with cs.capture(net, to=target):
             pass
-    with cs.capture(net, "net/block_0", to=target, overwrite=True):
+    with pytest.warns(UserWarning, match="saw no call"), \
+            cs.capture(net, "net/block_0", to=target, overwrite=True):
         pass
 
 
@@ -693,13 +694,25 @@ def test_a_capture_that_no_call_reached_warns_that_it_is_empty():
     import threading
 
     model = cs.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="d")], name="m")
-    with pytest.warns(UserWarning, match=r"cs.capture of `m` saw no call of the model, so "
-                      r"it is empty.*Received: 0 calls of `m`"):
+    stock = model.predict(X, verbose=0)
+    with pytest.warns(UserWarning, match=r"cs.capture saw no call of `m`, so it is empty.*"
+                      r"Received: 0 calls of `m`"):
         with cs.capture(model, "m/d") as cap:
             thread = threading.Thread(target=lambda: model.predict(X, verbose=0))
             thread.start()
             thread.join()
     assert len(cap) == 0
+    # A patch too: the thread's call went unpatched.
+    got = []
+    with pytest.warns(UserWarning, match=r"cs.patch of \['m/d'\] saw no call of `m`, so it "
+                      r"patched nothing.*Received: 0 calls of `m`"):
+        with cs.patch(model, {"m/d": lambda h: h * 0.0}):
+            thread = threading.Thread(target=lambda: got.append(model.predict(X, verbose=0)))
+            thread.start()
+            thread.join()
+    np.testing.assert_allclose(got[0], stock, rtol=1e-6)
+    with cs.patch(model, {"m/d": lambda h: h * 0.0}):  # (a call reached it: no warning)
+        np.testing.assert_array_equal(model.predict(X, verbose=0), np.zeros((10, 3)))
     # A call refused before it began reached the scope: its error says the rest.
     with cs.capture(model, "m/d") as cap:
         with pytest.raises(TypeError, match="nope"):

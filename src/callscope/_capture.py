@@ -30,14 +30,6 @@ from callscope._writer import WriteError
 from callscope._points import (KINDS, Ranges, Spec, loop_points, nearest, normalize_select,
                                single_calls_hint, tree_points, unmatched_globs)
 
-NO_CALL = (
-    "cs.capture of `{model}` saw no call of the model, so it is empty. It records the "
-    "model's `fit`, `evaluate`, `predict`, `*_on_batch` and `model(x)` calls (and those "
-    "of a callscope model that holds it) made in this thread, or in a context copied "
-    "inside the scope; a function compiled before the scope opened (your own `jax.jit` "
-    "or `tf.function`, keras_hub's `generate` run once already) runs its trace and "
-    "never calls the model again. Call the model inside the scope, in this thread. "
-    "Received: 0 calls of `{model}`")
 WAIT_S = 10.0  # how long a scope's exit waits for its calls in other threads
 
 
@@ -335,7 +327,8 @@ class Capture(Mapping):
             if self._claim is not None and not late:
                 _claimed.release(self._claim)
         if exc_type is None and not (self.reached or self.dropped):
-            warnings.warn(NO_CALL.format(model=self.model.name), stacklevel=2)
+            warnings.warn(_scope.NO_CALL.format(what="cs.capture", model=self.model.name,
+                                                effect="it is empty"), stacklevel=2)
         if exc_type is None and nothing:
             raise ValueError(self._nothing_matched())
         if exc_type is None and whole and any(not c.failed for c in self.calls):

@@ -224,10 +224,7 @@ class Engine(CaptureMixin):
         """The caller's open captures and patches of this model or of a callscope
         model inside it (its layers record wherever it is called from)."""
         ours = self._cs_owns()
-        captures = _scope.captures_where(ours)
-        for capture in captures:  # (a capture that no call reached says so at its exit)
-            capture.reached = True
-        return captures, _scope.patches_where(ours)
+        return _scope.captures_where(ours), _scope.patches_where(ours)
 
     def _cs_owns(self):
         """A test of whether a capture's or patch's model is this one, or inside it."""
@@ -245,7 +242,7 @@ class Engine(CaptureMixin):
 
     def _cs_run(self, method: str, args: tuple, kwargs: dict) -> Any:
         state = self._cs
-        captures, patches = self._cs_scopes()  # (first: a refused call reached them)
+        captures, patches = self._cs_scopes()  # (first: a call refused below reached them)
         # Everything below reads (and writes) Keras's arguments by name, wherever
         # the caller put them.
         _check_cache_size(self.context_cache_size)

@@ -411,13 +411,14 @@ class Entered(contextlib.ContextDecorator):
     `var.reset` raised a bare ValueError, and the scope stayed open for good in
     the thread that entered it."""
 
-    def __init__(self, what: str, var: ScopeVar, opens):
+    def __init__(self, what: str, var: ScopeVar, opens, unreached: str | None = None):
         self.what, self.var, self.opens = what, var, opens
+        self.unreached = unreached  # warned where no call reached the scope (a patch)
         self.token = self.thread = self.value = None
-        self.dropped = False
+        self.dropped = self.reached = False
 
     def _recreate_cm(self):  # used as a decorator: a scope of its own per call
-        return Entered(self.what, self.var, self.opens)
+        return Entered(self.what, self.var, self.opens, self.unreached)
 
     def __enter__(self) -> None:
         if self.token is not None:
@@ -425,6 +426,7 @@ class Entered(contextlib.ContextDecorator):
                                "a time. Open a new one (call it again) to nest another.")
         self.value = self.opens(self)
         self.token, self.dropped = self.var.set(self.value), False
+        self.reached = False
         self.thread = threading.current_thread().name
 
     def __exit__(self, *exc) -> None:
@@ -432,6 +434,8 @@ class Entered(contextlib.ContextDecorator):
         if not self.dropped:
             close(self.var, self.token, item, self.what, self.thread)
         self.token = self.thread = self.value = None
+        if exc[0] is None and self.unreached is not None and not (self.reached or self.dropped):
+            warnings.warn(self.unreached, stacklevel=2)
 
 
 OTHER_CONTEXT = (
@@ -542,7 +546,18 @@ def open_patch(model, patches: Mapping) -> Entered:
         item.scope = scope
         return (*_PATCHES.get(), item)
 
-    return Entered(f"`cs.patch` of {sorted(patches)}", _PATCHES, opens)
+    return Entered(f"`cs.patch` of {sorted(patches)}", _PATCHES, opens, NO_CALL.format(
+        what=f"cs.patch of {sorted(patches)}", model=model.name, effect="it patched nothing"))
+
+
+NO_CALL = (
+    "{what} saw no call of `{model}`, so {effect}. It applies to the model's `fit`, "
+    "`evaluate`, `predict`, `*_on_batch` and `model(x)` calls (and those of a callscope "
+    "model that holds it) made in this thread, or in a context copied inside the scope; "
+    "a function compiled before the scope opened (your own `jax.jit` or `tf.function`, "
+    "keras_hub's `generate` run once already) runs its trace and never calls the model "
+    "again. Call the model inside the scope, in this thread. Received: 0 calls of "
+    "`{model}`")
 
 
 def records_open() -> bool:
@@ -560,15 +575,26 @@ def open_patches() -> tuple:
 
 
 def captures_where(owned) -> tuple:
-    """The open captures whose model satisfies `owned(model)`."""
-    return tuple(c for c in _CAPTURES.get() if owned(c.model))
+    """The open captures whose model satisfies `owned(model)`, asked for by a call
+    of that model: each is marked reached (one that no call reached warns as it
+    exits that it is empty: `NO_CALL`)."""
+    found = tuple(c for c in _CAPTURES.get() if owned(c.model))
+    for capture in found:
+        capture.reached = True
+    return found
 
 
 def patches_where(owned) -> tuple:
     """The open patches of models that satisfy `owned`, as `(id(owner), point,
-    fn)` (each point of a model is in one scope: `open_patch`)."""
-    return tuple((id(owner), point, fn) for owner, patches in _PATCHES.get()
-                 if owned(owner) for point, fn in patches.items())
+    fn)` (each point of a model is in one scope: `open_patch`), asked for by a call
+    of that model: their scopes are marked reached, as `captures_where` does."""
+    found = []
+    for item in _PATCHES.get():
+        owner, patches = item
+        if owned(owner):
+            item.scope.reached = True
+            found += [(id(owner), point, fn) for point, fn in patches.items()]
+    return tuple(found)
 
 
 def captures_for(model) -> tuple:
