@@ -565,6 +565,31 @@ def test_layers_a_method_calls_outside_any_call_of_the_model_are_refused(scope):
     np.testing.assert_allclose(numpy(model.decode(X)), numpy(model(X)), rtol=1e-6)
 
 
+@pytest.mark.parametrize("scope", ["capture", "patch"])
+def test_layers_a_method_calls_in_a_callback_of_a_call_are_refused(scope):
+    # A call in progress in the thread let them by: a callback's `generate` during
+    # `fit` recorded nothing and took no patch, silently.
+    model = _Decodes(name="net")
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+    x, y = np.ones((8, 4), "float32"), np.ones((8, 2), "float32")
+    seen = []
+
+    class Decodes(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append(numpy(self.model.head(x)))  # a layer on its own: no call
+            self.model.decode(x)
+
+    opened = {"capture": lambda: cs.capture(model, "net/*"),
+              "patch": lambda: cs.patch(model, {"net/block": lambda h: h * 0.5})}[scope]
+    what = {"capture": "A `cs.capture`", "patch": "A `cs.patch`"}[scope]
+    with pytest.raises(RuntimeError, match=what + r" of `net` is open, and its layer `block` "
+                       r"ran in `decode` of `net`, outside any call"):
+        with opened():
+            model.fit(x, y, batch_size=4, verbose=0, callbacks=[Decodes()])
+    assert len(seen) == 1
+    np.testing.assert_allclose(seen[0], numpy(model.head(x)), rtol=1e-6)
+
+
 def test_a_direct_stateless_call_is_a_run_with_the_weights_it_was_given():
     # Keras's `stateless_call` never calls `__call__`: it was silently not
     # captured or patched.

@@ -1165,6 +1165,8 @@ OUTSIDE_A_CALL = (
     "inside the scope, or run `{method}` outside it. Received: `{layer}` called in "
     "`{owner}.{method}`")
 _STACK_LIMIT = 256  # frames looked at for the method that runs (a deep decode loop)
+_ENTRY_POINTS = frozenset(("fit", "evaluate", "predict", "train_on_batch", "test_on_batch",
+                           "predict_on_batch", "__call__"))
 
 
 def _check_inside_a_call(layer) -> None:
@@ -1174,8 +1176,12 @@ def _check_inside_a_call(layer) -> None:
     patch, without a word. A layer called otherwise (on its own, in another model
     that shares it, in a shape-only trace) is no call of the model, and records
     nothing by design. (Inside a call whose capture does not take it, the run was
-    checked when it began.)"""
-    if _scope.runs_here() or _keras_compat.in_symbolic_scope():
+    checked when it began.) Between a call's steps (its callbacks: a `generate`
+    there) the call's own entry point is a method of the model too: a layer that
+    only it is found running (a callback that calls the layer itself) is one
+    called on its own."""
+    if _keras_compat.in_symbolic_scope() or any(
+            run.method == "__call__" or _scope.stepping(run.model) for run in _scope.runs_here()):
         return
     scopes = [("A `cs.capture`", c.model) for c in _scope.open_captures()] + [
         ("A `cs.patch`", model) for model, _ in _scope.open_patches()]
@@ -1194,6 +1200,8 @@ def _check_inside_a_call(layer) -> None:
             if owner is model or (isinstance(owner, keras.Model) and hasattr(owner, "_cs")
                                   and id(model) in _keras_compat.layers_held(owner)):
                 method = code.co_name.removeprefix("tf__")  # (autograph's copy)
+                if method in _ENTRY_POINTS or method.startswith("_cs_"):
+                    break  # (a call's callback, between its steps)
                 raise RuntimeError(OUTSIDE_A_CALL.format(
                     what=what, model=model.name, layer=layer.name, method=method,
                     owner=owner.name))
