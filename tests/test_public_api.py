@@ -6,6 +6,7 @@ import callscope as cs
 
 PUBLIC = {
     "Batch", "Capture", "LoopPointError", "ContextMixin", "Functional", "Model", "Sequential",
+    "StrayValueError",
     "capture", "collecting", "load_capture",
     "context", "context_args", "current", "emit", "enable", "intermediate_grads",
     "IntermediateGrads", "patch", "points", "sow", "summary",

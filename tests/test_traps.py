@@ -3,7 +3,7 @@
 import keras
 import numpy as np
 import pytest
-from conftest import numpy
+from conftest import BACKEND, numpy
 
 import callscope as cs
 
@@ -207,3 +207,28 @@ def test_probes_report_the_keras_behaviour():
     if keras.__version__.startswith("3.15."):
         assert not _keras_compat.stateless_call_propagates()
         assert _keras_compat.functional_nodes_bake_defaults()
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="TF's autograph")
+def test_a_callscope_error_inside_a_tf_function_keeps_its_type():
+    # Autograph rebuilds only built-in errors: a StrayValueError (or LoopPointError)
+    # raised in a user's `tf.function` reached the user as a StagingError, which
+    # `except RuntimeError` misses (`_keras_compat.autograph_passes_through`).
+    import tensorflow as tf
+
+    @cs.context_args("debugging")
+    class Halves(keras.layers.Layer):
+        def call(self, x, debugging=None):
+            return x * 0.5 if debugging else x
+
+    model = cs.Sequential([keras.Input((2,)), Halves()])
+    model.register_context_args("debugging")
+
+    @tf.function
+    def run(x):
+        return model(x)
+
+    with cs.context(debugging=True):
+        with pytest.raises(cs.StrayValueError, match="Context argument `debugging` is set"):
+            run(np.ones((1, 2), "float32"))
+    assert cs.LoopPointError.ag_pass_through is True

@@ -21,6 +21,7 @@ from callscope._capture import load_capture as load_capture
 from callscope._record import collecting as collecting
 from callscope._record import emit as emit
 from callscope._record import sow as sow
+from callscope._scope import StrayValueError as StrayValueError
 from callscope._scope import context as context
 from callscope._scope import current as current
 from callscope._mixin import ContextMixin as ContextMixin
@@ -39,6 +40,7 @@ from callscope._summary import summary as summary
 
 _keras_compat.mark_made_up_names()  # stable points for unnamed sublayers: see there
 _keras_compat.keep_autograph_out()  # TF's autograph leaves callscope's code as it is
+_keras_compat.autograph_passes_through(StrayValueError, LoopPointError)  # (their own types)
 
 __version__ = "0.1.0"
 
@@ -51,6 +53,7 @@ __all__ = [
     "LoopPointError",
     "Model",
     "Sequential",
+    "StrayValueError",
     "capture",
     "collecting",
     "context",

@@ -137,7 +137,25 @@ _PINNED = _Pinned()
 
 
 class StrayValueError(RuntimeError):
-    """A context value would be read inside a compiled function not keyed on it."""
+    """A context value would be read inside a compiled function not keyed on it:
+    frozen into that function, it would be reused silently by later calls. Also a
+    scope a callback opens while a call runs, whose value the call would ignore.
+
+    Example:
+
+    >>> import keras, numpy as np, callscope as cs
+    >>> @cs.context_args("debugging")
+    ... class Block(keras.layers.Layer):
+    ...     def call(self, x, debugging=None):
+    ...         return x * 0.0 if debugging else x
+    >>> model = keras.Sequential([keras.Input((2,)), Block()])  # a stock model
+    >>> try:
+    ...     with cs.context(debugging=True):
+    ...         _ = model.predict(np.ones((1, 2)), verbose=0)
+    ... except cs.StrayValueError as error:
+    ...     print(type(error).__name__)
+    StrayValueError
+    """
 
 
 STRAY_VALUE = (
