@@ -318,6 +318,22 @@ def test_a_glob_of_a_list_whose_points_lack_every_kind_asked_for_is_refused():
                            "net/block_1:input"]
 
 
+def test_a_point_of_a_list_that_no_call_ran_is_refused_as_it_is_alone():
+    # Keras's MultiHeadAttention takes its fused attention without dropout, and
+    # never calls its `softmax`: named alone, the point was refused; named in a
+    # list, it was left out without a word (a KeyError when read).
+    inputs = keras.Input((8, 16))
+    model = cs.Model(inputs, keras.layers.MultiHeadAttention(2, 8, name="mha")(inputs, inputs),
+                     name="m")
+    x = np.random.default_rng(0).normal(size=(3, 8, 16)).astype("float32")
+    for select in ("m/mha/softmax", ["m/mha", "m/mha/softmax"]):
+        with pytest.raises(ValueError, match=r"\['m/mha/softmax'\] .*points of the model's "
+                           r"layers that no call in this scope ran .*`MultiHeadAttention`"):
+            with cs.capture(model, select) as cap:
+                model.predict(x, verbose=0)
+    np.testing.assert_allclose(cap["m/mha:output"], model.predict(x, verbose=0), rtol=1e-6)
+
+
 def test_a_list_of_globs_of_a_model_run_only_inside_another_is_not_refused():
     """Its points are noted on the model that runs it: a sown point, which has no
     `input`, was taken for a glob that matched nothing."""

@@ -664,3 +664,36 @@ def test_a_scope_a_callback_opens_as_its_call_returns_is_the_callers_after():
     np.testing.assert_array_equal(patched, np.zeros((8, 3)))
     np.testing.assert_array_equal(opens.scopes[0]["net/h:output"], np.zeros((8, 3)))
     np.testing.assert_allclose(model.predict(x, verbose=0), stock, rtol=1e-6)
+
+
+def test_a_context_that_nothing_read_warns_that_it_changed_nothing():
+    # A stock model's `predict` compiled before the scope ran its trace with the
+    # default (JAX, TF), and a misspelt name reached no layer: both silently.
+    @cs.context_args("debugging")
+    class Zeroes(keras.layers.Layer):
+        def call(self, x, debugging=None):
+            return x * 0.0 if debugging else x
+
+    stock = keras.Sequential([keras.Input((2,)), Zeroes()])
+    stock.predict(X, verbose=0)
+    if BACKEND == "torch":  # (eager: the layer runs, and raises)
+        with pytest.raises(cs.StrayValueError), cs.context(debugging=True):
+            stock.predict(X, verbose=0)
+    else:
+        with pytest.warns(UserWarning, match=r"`cs.context\(debugging=True\)` was read by no "
+                          r"call inside it, so it changed nothing.* Received: debugging=True"):
+            with cs.context(debugging=True):
+                np.testing.assert_array_equal(stock.predict(X, verbose=0), X)
+    model = cs.Sequential([keras.Input((2,)), Zeroes()])
+    model.register_context_args("debugging")
+    with pytest.warns(UserWarning, match=r"`cs.context\(debuging=True\)` was read by no call"):
+        with cs.context(debuging=True):
+            np.testing.assert_array_equal(model.predict(X, verbose=0), X)
+    # Read (and shadowed: the outer one was looked up through the inner one), by
+    # a call or by `cs.current`: no warning.
+    with cs.context(debugging=False), cs.context(debugging=True):
+        np.testing.assert_array_equal(model.predict(X, verbose=0), np.zeros_like(X))
+    with cs.context(mode="a"):
+        assert cs.current("mode") == "a"
+    with pytest.raises(ValueError), cs.context(debuging=True):  # (an error says the rest)
+        raise ValueError("x")

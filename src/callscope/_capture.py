@@ -395,7 +395,14 @@ class Capture(Mapping):
                                   "the other globs' values were captured")
         if message:
             raise ValueError(message)
-        for glob in self.spec.select if isinstance(self.spec.select, tuple) else ():
+        select = self.spec.select if isinstance(self.spec.select, tuple) else ()
+        if unreached := [w for w in select if w in points and w not in model._cs.seen]:
+            # (As a single such point's "selected nothing": left out, it was lost.)
+            raise ValueError(
+                f"cs.capture: {unreached} of the globs in `select` are points of the "
+                f"model's layers that no call in this scope ran{_SKIPPED}; the other "
+                f"globs' values were captured. Received: select={list(select)!r}")
+        for glob in select:
             matched = [p for p in model._cs.seen if fnmatch.fnmatchcase(p, glob)]
             if matched and all(set(self.spec.kinds).isdisjoint(_SORTS[model._cs.seen[p]][1])
                                for p in matched):
@@ -427,9 +434,7 @@ class Capture(Mapping):
             unreached = [w for w in wanted if w in points and w not in self.model._cs.seen]
             if unreached:  # named in the model's layers, but no call ran them
                 hint += (f" that a call reached: {unreached} are points of the model's "
-                         "layers that no call in this scope ran (a layer its `call` "
-                         "skipped, such as one in a branch not taken: torch runs only "
-                         "the branch of `keras.ops.cond` that its condition picks)")
+                         f"layers that no call in this scope ran{_SKIPPED}")
             if calls := single_calls_hint(wanted, points):
                 hint += "." + calls.removesuffix(".")
             near = nearest(wanted, points)
@@ -438,6 +443,11 @@ class Capture(Mapping):
             "`cs.points(model, x)` to list every point. Received: "
             f"select={wanted!r}"
         )
+
+
+_SKIPPED = (" (a layer its `call` skipped, such as one in a branch not taken: torch runs "
+            "only the branch of `keras.ops.cond` that its condition picks; Keras's "
+            "`MultiHeadAttention`, where it takes its fused attention, skips its `softmax`)")
 
 
 # What each sort of point is (`_capturing._sorts`), and the kinds it has (every

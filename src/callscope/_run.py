@@ -108,6 +108,8 @@ class Run:
         began, captured, patched = self.scopes
         readable = set(model._cs.names) | set(self.entry.reads)
         for name, value in frame.values.items():
+            if value is not None and name in readable:
+                _scope.read_from(frame, name)  # (compared: the call's own, or refused)
             if value is not None and name in readable and not _same_value(
                     model, name, began.values.get(name), value):
                 return _scope.StrayValueError(_opened(

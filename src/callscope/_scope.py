@@ -157,6 +157,12 @@ class StrayValueError(RuntimeError):
     StrayValueError
     """
 
+    made = 0  # how many, ever: a scope that saw one was reached (`Entered`)
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        StrayValueError.made += 1
+
 
 STRAY_VALUE = (
     "Context argument `{name}` is set in the caller's scope ({value!r}), but it is "
@@ -315,7 +321,16 @@ def lookup(name: str, *, tracing: bool) -> Any:
         return value
     if value is not None and tracing and name not in current.keyed:
         raise StrayValueError(STRAY_VALUE.format(name=name, value=value))
+    read_from(current, name)
     return value
+
+
+def read_from(frame_: Frame, name: str) -> None:
+    """Marks the user's scopes under `frame_` that set `name` read (`NOT_READ`)."""
+    while frame_ is not None:
+        if frame_.owner is not None and name in frame_.owner.names:
+            frame_.owner.reached = True
+        frame_ = frame_.parent
 
 
 def context(**values: Any) -> Entered:
@@ -344,7 +359,19 @@ def context(**values: Any) -> Entered:
     shown = ", ".join(f"{name}={value!r}" for name, value in values.items())
     return Entered(f"`cs.context({shown})`", _FRAME, lambda scope: dataclasses.replace(
         overlay(values, keyed=bool(values) and _backend.is_tracing_now()),
-        parent=_FRAME.get(), owner=scope))
+        parent=_FRAME.get(), owner=scope), NOT_READ.format(
+            what=f"`cs.context({shown})`", names=", ".join(f"`{n}`" for n in values),
+            shown=shown) if values else None, names=frozenset(values))
+
+
+NOT_READ = (
+    "{what} was read by no call inside it, so it changed nothing: nothing there looked "
+    "up {names} (a callscope model reads the names it registered at each call, and a "
+    "`@cs.context_args` layer the names its class declares; `cs.current` reads too). A "
+    "function compiled before the scope opened (your own `jax.jit` or `tf.function`, a "
+    "stock model's `predict` run once already) runs its trace and never reads it: pass "
+    "the value to the model's call inside the function, or `cs.enable` the stock model "
+    "and register the names. Received: {shown}")
 
 
 def current(name: str, default: Any = None) -> Any:
@@ -429,14 +456,17 @@ class Entered(contextlib.ContextDecorator):
     `var.reset` raised a bare ValueError, and the scope stayed open for good in
     the thread that entered it."""
 
-    def __init__(self, what: str, var: ScopeVar, opens, unreached: str | None = None):
+    def __init__(self, what: str, var: ScopeVar, opens, unreached: str | None = None,
+                 names: frozenset = frozenset()):
         self.what, self.var, self.opens = what, var, opens
-        self.unreached = unreached  # warned where no call reached the scope (a patch)
+        # Warned where no call reached the scope (a patch's call, a lookup of one of
+        # the `names` a context sets).
+        self.unreached, self.names = unreached, names
         self.token = self.thread = self.value = None
         self.dropped = self.reached = False
 
     def _recreate_cm(self):  # used as a decorator: a scope of its own per call
-        return Entered(self.what, self.var, self.opens, self.unreached)
+        return Entered(self.what, self.var, self.opens, self.unreached, self.names)
 
     def __enter__(self) -> None:
         if self.token is not None:
@@ -444,7 +474,7 @@ class Entered(contextlib.ContextDecorator):
                                "a time. Open a new one (call it again) to nest another.")
         self.value = self.opens(self)
         self.token, self.dropped = self.var.set(self.value), False
-        self.reached = False
+        self.reached, self.refusals = False, StrayValueError.made
         self.thread = threading.current_thread().name
 
     def __exit__(self, *exc) -> None:
@@ -452,7 +482,9 @@ class Entered(contextlib.ContextDecorator):
         if not self.dropped:
             close(self.var, self.token, item, self.what, self.thread)
         self.token = self.thread = self.value = None
-        if exc[0] is None and self.unreached is not None and not (self.reached or self.dropped):
+        # (A refusal of a value while it was open, caught inside it, said the rest.)
+        if exc[0] is None and self.unreached is not None and not (
+                self.reached or self.dropped or StrayValueError.made != self.refusals):
             warnings.warn(self.unreached, stacklevel=2)
 
 
