@@ -761,3 +761,15 @@ def test_a_capture_whose_calls_all_failed_raises_no_error_of_selection(tmp_path,
             with pytest.raises(_SHAPE_ERRORS):
                 model.fit(X, np.ones((10, 5), "float32"), verbose=0)
             model.predict(X, verbose=0)
+
+
+def test_a_streaming_capture_that_no_call_reached_leaves_its_directory_as_found(tmp_path):
+    # It wrote an index of nothing: the next capture to the same place was refused.
+    model = cs.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="d")], name="m")
+    with pytest.warns(UserWarning, match="saw no call"), cs.capture(model, "m/d",
+                                                                   to=tmp_path / "cap"):
+        pass
+    assert not (tmp_path / "cap").exists()
+    with cs.capture(model, "m/d", to=tmp_path / "cap") as cap:
+        model.predict(X, verbose=0)
+    np.testing.assert_allclose(cs.load_capture(tmp_path / "cap")["m/d:output"], cap["m/d:output"])

@@ -681,7 +681,8 @@ def test_a_context_that_nothing_read_warns_that_it_changed_nothing():
             stock.predict(X, verbose=0)
     else:
         with pytest.warns(UserWarning, match=r"`cs.context\(debugging=True\)` was read by no "
-                          r"call inside it, so it changed nothing.* Received: debugging=True"):
+                          r"call inside it, so `debugging` changed nothing.* Received: "
+                          r"debugging=True"):
             with cs.context(debugging=True):
                 np.testing.assert_array_equal(stock.predict(X, verbose=0), X)
     model = cs.Sequential([keras.Input((2,)), Zeroes()])
@@ -697,3 +698,37 @@ def test_a_context_that_nothing_read_warns_that_it_changed_nothing():
         assert cs.current("mode") == "a"
     with pytest.raises(ValueError), cs.context(debuging=True):  # (an error says the rest)
         raise ValueError("x")
+    # Each name apart: a misspelt one beside one that is read.
+    with pytest.warns(UserWarning, match=r"`cs.context\(debugging=True, debuging_level=2\)` "
+                      r"was read by no call inside it, so `debuging_level` changed nothing"
+                      r".* Received: debuging_level=2$"):
+        with cs.context(debugging=True, debuging_level=2):
+            model.predict(X, verbose=0)
+    # A call refused before it read the values reached them: its error says the rest.
+    with cs.context(debugging=True), cs.capture(model) as cap:
+        with pytest.raises(TypeError, match="bogus"):
+            model.predict(X, verbose=0, bogus=1)
+    assert len(cap) == 0
+
+
+class _ReadsScale(keras.layers.Layer):
+    def call(self, x):
+        return x * cs.current("scale", default=1.0)
+
+
+class _OpensAScope(cs.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.reads = _ReadsScale(name="reads")
+
+    def call(self, x):
+        with cs.context(scale=2.0):  # inside the call (and a compiled step's trace)
+            return self.reads(x)
+
+
+def test_a_context_opened_and_read_inside_a_compiled_step_is_read():
+    # Lookups inside a step's sealed frame marked nothing: it warned that nothing
+    # read the value it had just used.
+    model = _OpensAScope(name="opens")
+    np.testing.assert_allclose(model.predict(X, verbose=0), 2.0 * X, rtol=1e-6)
+    np.testing.assert_allclose(numpy(model(X)), 2.0 * X, rtol=1e-6)

@@ -231,4 +231,3 @@ def test_a_callscope_error_inside_a_tf_function_keeps_its_type():
     with cs.context(debugging=True):
         with pytest.raises(cs.StrayValueError, match="Context argument `debugging` is set"):
             run(np.ones((1, 2), "float32"))
-    assert cs.LoopPointError.ag_pass_through is True

@@ -306,10 +306,10 @@ class Capture(Mapping):
                     + ". Join those threads before the scope closes for a capture that "
                     f"is whole when it does. Received: {len(self._running(True))} "
                     f"call(s) running after WAIT_S={WAIT_S:g} s", stacklevel=2)
-            empty = whole and bool(self.calls) and not any(len(c) for c in self.calls)
+            empty = whole and not any(len(c) for c in self.calls)  # (no call: warned)
             # (Calls that all raised, their errors caught inside the scope, may have
             # failed before reaching what it selects: no error of selection.)
-            nothing = empty and any(not c.failed for c in self.calls)
+            nothing = empty and any(not c.failed for c in self.calls)  # (and a call ran)
             with self._lock:  # (the late calls' `_call_finished` waits for this)
                 try:
                     if (self._dir is not None and (exc_type is not None or empty)
@@ -396,12 +396,6 @@ class Capture(Mapping):
         if message:
             raise ValueError(message)
         select = self.spec.select if isinstance(self.spec.select, tuple) else ()
-        if unreached := [w for w in select if w in points and w not in model._cs.seen]:
-            # (As a single such point's "selected nothing": left out, it was lost.)
-            raise ValueError(
-                f"cs.capture: {unreached} of the globs in `select` are points of the "
-                f"model's layers that no call in this scope ran{_SKIPPED}; the other "
-                f"globs' values were captured. Received: select={list(select)!r}")
         for glob in select:
             matched = [p for p in model._cs.seen if fnmatch.fnmatchcase(p, glob)]
             if matched and all(set(self.spec.kinds).isdisjoint(_SORTS[model._cs.seen[p]][1])
@@ -410,6 +404,15 @@ class Capture(Mapping):
                     matched, model._cs.seen, self.spec.select, self.spec.kinds,
                     f"cs.capture: the glob {glob!r} of `select` selected nothing "
                     "(the other globs' values were captured)"))
+        recorded = {k.rpartition("@")[0] or k for k in keys}
+        # (A layer whose output is a tuple or dict records its elements, `point/i`.)
+        if unreached := [w for w in select if w in points and not any(
+                p == w or p.startswith(w + "/") for p in recorded)]:
+            # (As a single such point's "selected nothing": left out, it was lost.)
+            raise ValueError(
+                f"cs.capture: {unreached} of the globs in `select` are points of the "
+                f"model's layers that no call in this scope ran{_SKIPPED}; the other "
+                f"globs' values were captured. Received: select={list(select)!r}")
 
     def _nothing_matched(self) -> str:
         points = self.model._cs_known_points()

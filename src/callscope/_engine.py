@@ -242,7 +242,9 @@ class Engine(CaptureMixin):
 
     def _cs_run(self, method: str, args: tuple, kwargs: dict) -> Any:
         state = self._cs
-        captures, patches = self._cs_scopes()  # (first: a call refused below reached them)
+        # First: a call refused below reached its scopes (its error says the rest).
+        captures, patches = self._cs_scopes()
+        _scope.read_all(state.names)
         # Everything below reads (and writes) Keras's arguments by name, wherever
         # the caller put them.
         _check_cache_size(self.context_cache_size)

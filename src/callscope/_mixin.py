@@ -223,6 +223,7 @@ class ContextMixin(Engine, _keras_compat.LossHook, *_JAX_HOOKS):
             if not state.names and not isinstance(self, _STRICT_KWARGS_CLASSES):
                 return super().__call__(*args, **kwargs)
             allowed = _direct_call_parameters(self)
+            _scope.read_all(state.names)  # (before a refusal: its error says the rest)
             given = self._cs_split("__call__", kwargs, allowed)
             values = self._cs_resolve(given, tracing=tracing)
             frame = _scope.overlay({**dict.fromkeys(state.names), **values}, keyed=True)
@@ -251,9 +252,11 @@ class ContextMixin(Engine, _keras_compat.LossHook, *_JAX_HOOKS):
     def _cs_call_scopes(self, tracing: bool) -> tuple[tuple, tuple]:
         """The captures and patches that a direct call (not a step's) runs under."""
         captures, patches = self._cs_scopes()
-        if not (captures or patches) or (tracing and _scope.run_inside(self)):
-            # (A trace inside a run of this model, or of a model that holds it,
-            # such as Keras's symbolic build, is not a call of its own.)
+        if not (captures or patches) or (tracing and (
+                _keras_compat.in_symbolic_scope() or _scope.run_inside(self))):
+            # (A shape-only trace, Keras's symbolic build, or a trace inside a step
+            # of this model or of a model that holds it, is not a call of its own;
+            # a callback's `jax.jit` of the model between steps is refused below.)
             return (), ()
         if tracing:
             raise RuntimeError(_OUTSIDE_COMPILE.format(

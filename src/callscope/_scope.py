@@ -318,6 +318,8 @@ def lookup(name: str, *, tracing: bool) -> Any:
             current.reads.add(name)
         if value is None and name in current.outside:
             raise StrayValueError(STRAY_VALUE.format(name=name, value=current.outside[name]))
+        if value is not None:  # (a scope opened inside the step: up to its sealed root)
+            read_from(current, name)
         return value
     if value is not None and tracing and name not in current.keyed:
         raise StrayValueError(STRAY_VALUE.format(name=name, value=value))
@@ -326,11 +328,20 @@ def lookup(name: str, *, tracing: bool) -> Any:
 
 
 def read_from(frame_: Frame, name: str) -> None:
-    """Marks the user's scopes under `frame_` that set `name` read (`NOT_READ`)."""
+    """Marks `name` read in the user's scopes under `frame_` that set it (`NOT_READ`)."""
     while frame_ is not None:
         if frame_.owner is not None and name in frame_.owner.names:
-            frame_.owner.reached = True
+            frame_.owner.read.add(name)
         frame_ = frame_.parent
+
+
+def read_all(names) -> None:
+    """`names` read at the start of a call that takes them (before anything there
+    may refuse the call: its error says the rest)."""
+    current = _FRAME.get()
+    if current.parent is not None:  # (a user's scope or a call's frame is open)
+        for name in names:
+            read_from(current, name)
 
 
 def context(**values: Any) -> Entered:
@@ -359,14 +370,15 @@ def context(**values: Any) -> Entered:
     shown = ", ".join(f"{name}={value!r}" for name, value in values.items())
     return Entered(f"`cs.context({shown})`", _FRAME, lambda scope: dataclasses.replace(
         overlay(values, keyed=bool(values) and _backend.is_tracing_now()),
-        parent=_FRAME.get(), owner=scope), NOT_READ.format(
-            what=f"`cs.context({shown})`", names=", ".join(f"`{n}`" for n in values),
-            shown=shown) if values else None, names=frozenset(values))
+        parent=_FRAME.get(), owner=scope), (lambda unread: NOT_READ.format(
+            what=f"`cs.context({shown})`", names=", ".join(f"`{n}`" for n in unread),
+            shown=", ".join(f"{n}={values[n]!r}" for n in unread))) if values else None,
+        names=tuple(values))
 
 
 NOT_READ = (
-    "{what} was read by no call inside it, so it changed nothing: nothing there looked "
-    "up {names} (a callscope model reads the names it registered at each call, and a "
+    "{what} was read by no call inside it, so {names} changed nothing: nothing there "
+    "looked it up (a callscope model reads the names it registered at each call, and a "
     "`@cs.context_args` layer the names its class declares; `cs.current` reads too). A "
     "function compiled before the scope opened (your own `jax.jit` or `tf.function`, a "
     "stock model's `predict` run once already) runs its trace and never reads it: pass "
@@ -456,14 +468,14 @@ class Entered(contextlib.ContextDecorator):
     `var.reset` raised a bare ValueError, and the scope stayed open for good in
     the thread that entered it."""
 
-    def __init__(self, what: str, var: ScopeVar, opens, unreached: str | None = None,
-                 names: frozenset = frozenset()):
+    def __init__(self, what: str, var: ScopeVar, opens, unreached=None, names: tuple = ()):
         self.what, self.var, self.opens = what, var, opens
-        # Warned where no call reached the scope (a patch's call, a lookup of one of
-        # the `names` a context sets).
+        # Warned where no call reached the scope: a patch's call; a lookup of each of
+        # the `names` a context sets (`unreached(unread names)` says which were not).
         self.unreached, self.names = unreached, names
         self.token = self.thread = self.value = None
         self.dropped = self.reached = False
+        self.read: set[str] = set()  # of `names`, those a call looked up
 
     def _recreate_cm(self):  # used as a decorator: a scope of its own per call
         return Entered(self.what, self.var, self.opens, self.unreached, self.names)
@@ -474,7 +486,7 @@ class Entered(contextlib.ContextDecorator):
                                "a time. Open a new one (call it again) to nest another.")
         self.value = self.opens(self)
         self.token, self.dropped = self.var.set(self.value), False
-        self.reached, self.refusals = False, StrayValueError.made
+        self.reached, self.read, self.refusals = False, set(), StrayValueError.made
         self.thread = threading.current_thread().name
 
     def __exit__(self, *exc) -> None:
@@ -485,7 +497,10 @@ class Entered(contextlib.ContextDecorator):
         # (A refusal of a value while it was open, caught inside it, said the rest.)
         if exc[0] is None and self.unreached is not None and not (
                 self.reached or self.dropped or StrayValueError.made != self.refusals):
-            warnings.warn(self.unreached, stacklevel=2)
+            if not self.names:
+                warnings.warn(self.unreached, stacklevel=2)
+            elif unread := [n for n in self.names if n not in self.read]:
+                warnings.warn(self.unreached(unread), stacklevel=2)
 
 
 OTHER_CONTEXT = (
@@ -730,10 +745,12 @@ def stepping(model) -> bool:
 
 
 def run_inside(layer) -> bool:
-    """Is a run of `layer`, or of a model that holds it, in progress here?"""
+    """Is a run of `layer`, or of a model that holds it, in a step (or a direct
+    call) here? Between its steps (its callbacks) it is not."""
     from callscope import _keras_compat
 
-    return any(id(layer) in _keras_compat.layers_held(run.model) for run in _RUNS.get())
+    return any((run.method == "__call__" or stepping(run.model))
+               and id(layer) in _keras_compat.layers_held(run.model) for run in _RUNS.get())
 
 
 def runs_here() -> tuple:

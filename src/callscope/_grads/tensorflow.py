@@ -20,9 +20,9 @@ it: a weightless or frozen prefix, or a layer that returns the model's inputs
 unchanged; or a loss that does not depend on it), or one it reached more than
 once, is differentiated on the outer tape, as every source is in a test step, a
 custom `train_step` (whose backward may be of another loss, or taken twice) and
-under a scaled loss (a `LossScaleOptimizer`, an optimizer's `loss_scale_factor`:
-a float16 gradient of the scaled loss can overflow
-where the loss's own is finite). In a compiled step which sources the backward
+under a scaled loss (a `LossScaleOptimizer`, an optimizer's `loss_scale_factor`),
+where a float16 source takes the gradient of the scaled loss, as the step's own
+backward does, unscaled into float32 (`_file`). In a compiled step which sources the backward
 reached is known while tracing, so the outer tape costs nothing at run time
 unless a source needs it.
 """
@@ -98,18 +98,19 @@ def _file(collector, tape, loss, backward=None, scale=None) -> None:
             if taken is not None:
                 grads[name] = taken
     rest = [(name, t) for name, t in sources if name not in grads]
-    if rest:
-        found = _gradient(tape, loss, [t for _, t in rest])
-        grads.update((name, tf.convert_to_tensor(g)) for (name, _), g in zip(rest, found))
-    half = [(name, t) for name, t in rest if t.dtype in (tf.float16, tf.bfloat16)]
-    if scale is not None and half:
-        # As the step's own backward does: of the scaled loss, so that what float16
-        # rounds away or flushes to 0 is kept, unscaled in float32. Where that
-        # overflows (a step Keras skips), the unscaled loss's gradient, widened.
-        scaled = _gradient(tape, loss, [t for _, t in half], tf.cast(scale, loss.dtype))
-        for (name, _), g in zip(half, scaled):
-            grads[name] = tf.where(tf.reduce_all(tf.math.is_finite(g)),
-                                   _grads.unscaled(g, scale), tf.cast(grads[name], "float32"))
+    # Under a scaled loss, a float16 (or bfloat16) source as the step's own backward
+    # takes it: of the scaled loss, so that what float16 rounds away or flushes to
+    # 0 is kept, unscaled into float32 (on a step whose scaled gradients overflow,
+    # one Keras skips, it reads inf or NaN, as on JAX and torch).
+    half = ([(name, t) for name, t in rest if t.dtype in (tf.float16, tf.bfloat16)]
+            if scale is not None else [])
+    plain = [(name, t) for name, t in rest if not any(name == h for h, _ in half)]
+    for group, seed in ((plain, None), (half, scale)):
+        if group:
+            found = _gradient(tape, loss, [t for _, t in group],
+                              None if seed is None else tf.cast(seed, loss.dtype))
+            grads.update((name, tf.convert_to_tensor(g) if seed is None
+                          else _grads.unscaled(g, seed)) for (name, _), g in zip(group, found))
     collector.add_grads({name: grads[name] for name, _ in sources})  # in call order
 
 
