@@ -124,7 +124,7 @@ def test_nothing_leaks_to_the_next_call_or_to_another_thread():
         results["predict"] = model.predict(X, verbose=0)
 
     # (Read by no call: the thread sees no scope, and the scope says so.)
-    with pytest.warns(UserWarning, match="read by no call"), cs.context(debugging=True):
+    with pytest.warns(UserWarning, match="no call inside it looked up"), cs.context(debugging=True):
         thread = threading.Thread(target=other_thread)
         thread.start()
         thread.join()

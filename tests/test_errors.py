@@ -680,14 +680,15 @@ def test_a_context_that_nothing_read_warns_that_it_changed_nothing():
         with pytest.raises(cs.StrayValueError), cs.context(debugging=True):
             stock.predict(X, verbose=0)
     else:
-        with pytest.warns(UserWarning, match=r"`cs.context\(debugging=True\)` was read by no "
-                          r"call inside it, so `debugging` changed nothing.* Received: "
-                          r"debugging=True"):
+        with pytest.warns(UserWarning, match=r"`cs.context\(debugging=True\)`: no call inside "
+                          r"it looked up `debugging`, so that value changed nothing.* "
+                          r"Received: debugging=True"):
             with cs.context(debugging=True):
                 np.testing.assert_array_equal(stock.predict(X, verbose=0), X)
     model = cs.Sequential([keras.Input((2,)), Zeroes()])
     model.register_context_args("debugging")
-    with pytest.warns(UserWarning, match=r"`cs.context\(debuging=True\)` was read by no call"):
+    with pytest.warns(UserWarning, match=r"`cs.context\(debuging=True\)`: no call inside it "
+                      r"looked up `debuging`"):
         with cs.context(debuging=True):
             np.testing.assert_array_equal(model.predict(X, verbose=0), X)
     # Read (and shadowed: the outer one was looked up through the inner one), by
@@ -699,9 +700,9 @@ def test_a_context_that_nothing_read_warns_that_it_changed_nothing():
     with pytest.raises(ValueError), cs.context(debuging=True):  # (an error says the rest)
         raise ValueError("x")
     # Each name apart: a misspelt one beside one that is read.
-    with pytest.warns(UserWarning, match=r"`cs.context\(debugging=True, debuging_level=2\)` "
-                      r"was read by no call inside it, so `debuging_level` changed nothing"
-                      r".* Received: debuging_level=2$"):
+    with pytest.warns(UserWarning, match=r"`cs.context\(debugging=True, debuging_level=2\)`: "
+                      r"no call inside it looked up `debuging_level`, so that value changed "
+                      r"nothing.* Received: debuging_level=2$"):
         with cs.context(debugging=True, debuging_level=2):
             model.predict(X, verbose=0)
     # A call refused before it read the values reached them: its error says the rest.
@@ -732,3 +733,16 @@ def test_a_context_opened_and_read_inside_a_compiled_step_is_read():
     model = _OpensAScope(name="opens")
     np.testing.assert_allclose(model.predict(X, verbose=0), 2.0 * X, rtol=1e-6)
     np.testing.assert_allclose(numpy(model(X)), 2.0 * X, rtol=1e-6)
+
+
+def test_a_context_value_a_call_overrides_or_refuses_is_told_apart():
+    model = cs.Sequential([keras.Input((2,)), keras.layers.Dense(2)])
+    model.register_context_args("debugging")
+    # Given to the call, the value wins: the scope changed nothing.
+    with pytest.warns(UserWarning, match=r"no call inside it looked up `debugging`"):
+        with cs.context(debugging=True):
+            model.predict(X, verbose=0, debugging=False)
+    # A direct call refused under a capture reached the scope: its error says the rest.
+    with cs.context(debugging=True), cs.capture(model, "*", kinds=("grad",)):
+        with pytest.raises(ValueError, match="loss"):
+            model(X)

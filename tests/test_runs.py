@@ -203,7 +203,7 @@ def test_a_pool_worker_run_in_a_copied_context_keeps_nothing_of_it_after_its_cal
     model = _seq()
     pool = concurrent.futures.ThreadPoolExecutor(1)  # one long-lived worker
     try:
-        with pytest.warns(UserWarning, match="read by no call"), \
+        with pytest.warns(UserWarning, match="no call inside it looked up"), \
                 cs.context(mode="a"), cs.capture(model, "s/d") as cap:  # (`s` reads no mode)
             pool.submit(contextvars.copy_context().run, model.predict, X, verbose=0).result()
         np.testing.assert_allclose(cap["s/d:output"], _dense(model, X), rtol=1e-5, atol=1e-6)

@@ -244,7 +244,7 @@ class Engine(CaptureMixin):
         state = self._cs
         # First: a call refused below reached its scopes (its error says the rest).
         captures, patches = self._cs_scopes()
-        _scope.read_all(state.names)
+        _scope.read_all(state.names, kwargs)
         # Everything below reads (and writes) Keras's arguments by name, wherever
         # the caller put them.
         _check_cache_size(self.context_cache_size)

@@ -200,6 +200,8 @@ class ContextMixin(Engine, _keras_compat.LossHook, *_JAX_HOOKS):
         tracing = not symbolic and _backend.is_tracing(leaves)
         inside_step = (_record.active_collector() is not None
                        or _record.active_patches() is not None)
+        if state.names and not symbolic:  # (before a refusal: its error says the rest)
+            _scope.read_all(state.names, kwargs)
         if not symbolic and not inside_step:
             captures, patches = self._cs_call_scopes(tracing)
             if captures or patches:
@@ -223,7 +225,6 @@ class ContextMixin(Engine, _keras_compat.LossHook, *_JAX_HOOKS):
             if not state.names and not isinstance(self, _STRICT_KWARGS_CLASSES):
                 return super().__call__(*args, **kwargs)
             allowed = _direct_call_parameters(self)
-            _scope.read_all(state.names)  # (before a refusal: its error says the rest)
             given = self._cs_split("__call__", kwargs, allowed)
             values = self._cs_resolve(given, tracing=tracing)
             frame = _scope.overlay({**dict.fromkeys(state.names), **values}, keyed=True)
@@ -251,9 +252,10 @@ class ContextMixin(Engine, _keras_compat.LossHook, *_JAX_HOOKS):
 
     def _cs_call_scopes(self, tracing: bool) -> tuple[tuple, tuple]:
         """The captures and patches that a direct call (not a step's) runs under."""
+        if tracing and _keras_compat.in_symbolic_scope():
+            return (), ()  # (a shape-only trace reaches no scope)
         captures, patches = self._cs_scopes()
-        if not (captures or patches) or (tracing and (
-                _keras_compat.in_symbolic_scope() or _scope.run_inside(self))):
+        if not (captures or patches) or (tracing and _scope.run_inside(self)):
             # (A shape-only trace, Keras's symbolic build, or a trace inside a step
             # of this model or of a model that holds it, is not a call of its own;
             # a callback's `jax.jit` of the model between steps is refused below.)
@@ -267,6 +269,8 @@ class ContextMixin(Engine, _keras_compat.LossHook, *_JAX_HOOKS):
         self, trainable_variables, non_trainable_variables, *args, return_losses=False, **kwargs
     ):
         state = self._cs
+        if state.names:  # (before a refusal: its error says the rest)
+            _scope.read_all(state.names, kwargs)
         if _record.active_collector() is not None or _record.active_patches() is not None:
             _grad.check_scopes_applied(self)
         else:

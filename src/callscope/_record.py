@@ -1180,7 +1180,8 @@ def _check_inside_a_call(layer) -> None:
     there) the call's own entry point is a method of the model too: a layer that
     only it is found running (a callback that calls the layer itself) is one
     called on its own."""
-    if _keras_compat.in_symbolic_scope() or _scope.run_inside(layer):
+    if _keras_compat.in_symbolic_scope() or any(  # (O(runs): per layer call)
+            run.method == "__call__" or _scope.stepping(run.model) for run in _scope.runs_here()):
         return
     scopes = [("A `cs.capture`", c.model) for c in _scope.open_captures()] + [
         ("A `cs.patch`", model) for model, _ in _scope.open_patches()]

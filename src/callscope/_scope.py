@@ -299,7 +299,9 @@ def unpassed_values(layer, names) -> dict[str, Any]:
     found = {}
     for name in names:
         value = current.values.get(name)
-        if value is None:
+        if value is not None:
+            read_from(current, name)  # (a scope opened inside the call hands it over)
+        else:
             value = current.outside.get(name)
         if value is None or _keras_compat.passed_by_an_outer_layer(name):
             continue
@@ -318,7 +320,7 @@ def lookup(name: str, *, tracing: bool) -> Any:
             current.reads.add(name)
         if value is None and name in current.outside:
             raise StrayValueError(STRAY_VALUE.format(name=name, value=current.outside[name]))
-        if value is not None:  # (a scope opened inside the step: up to its sealed root)
+        if name in current.values:  # (a scope opened inside the step: to its sealed root)
             read_from(current, name)
         return value
     if value is not None and tracing and name not in current.keyed:
@@ -335,13 +337,15 @@ def read_from(frame_: Frame, name: str) -> None:
         frame_ = frame_.parent
 
 
-def read_all(names) -> None:
-    """`names` read at the start of a call that takes them (before anything there
-    may refuse the call: its error says the rest)."""
+def read_all(names, given) -> None:
+    """`names` read at the start of a call that takes them, but those `given` to it
+    (which win over a scope): before anything there may refuse the call, whose
+    error says the rest."""
     current = _FRAME.get()
     if current.parent is not None:  # (a user's scope or a call's frame is open)
         for name in names:
-            read_from(current, name)
+            if name not in given:
+                read_from(current, name)
 
 
 def context(**values: Any) -> Entered:
@@ -372,13 +376,14 @@ def context(**values: Any) -> Entered:
         overlay(values, keyed=bool(values) and _backend.is_tracing_now()),
         parent=_FRAME.get(), owner=scope), (lambda unread: NOT_READ.format(
             what=f"`cs.context({shown})`", names=", ".join(f"`{n}`" for n in unread),
+            those="that value" if len(unread) == 1 else "those values",
             shown=", ".join(f"{n}={values[n]!r}" for n in unread))) if values else None,
         names=tuple(values))
 
 
 NOT_READ = (
-    "{what} was read by no call inside it, so {names} changed nothing: nothing there "
-    "looked it up (a callscope model reads the names it registered at each call, and a "
+    "{what}: no call inside it looked up {names}, so {those} changed nothing (a "
+    "callscope model reads the names it registered at each call, and a "
     "`@cs.context_args` layer the names its class declares; `cs.current` reads too). A "
     "function compiled before the scope opened (your own `jax.jit` or `tf.function`, a "
     "stock model's `predict` run once already) runs its trace and never reads it: pass "
