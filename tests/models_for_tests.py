@@ -88,6 +88,18 @@ def make_models(seen):
 
 
 @cs.context_args("debugging")
+class ScalesWhenDebugging(layers.Layer):
+    """Weightless: `x * factor` when `debugging` is true, else `x`."""
+
+    def __init__(self, factor=0.5, **kwargs):
+        super().__init__(**kwargs)
+        self.factor = factor
+
+    def call(self, x, debugging=None):
+        return x * self.factor if debugging else x
+
+
+@cs.context_args("debugging")
 class HalvesWhenDebugging(layers.Layer):
     """A Dense(3) whose output is halved when `debugging` is true."""
 

@@ -6,7 +6,7 @@ import keras
 import numpy as np
 import pytest
 from conftest import BACKEND, numpy
-from models_for_tests import HalvesWhenDebugging
+from models_for_tests import HalvesWhenDebugging, ScalesWhenDebugging
 
 import callscope as cs
 
@@ -669,12 +669,7 @@ def test_a_scope_a_callback_opens_as_its_call_returns_is_the_callers_after():
 def test_a_context_that_nothing_read_warns_that_it_changed_nothing():
     # A stock model's `predict` compiled before the scope ran its trace with the
     # default (JAX, TF), and a misspelt name reached no layer: both silently.
-    @cs.context_args("debugging")
-    class Zeroes(keras.layers.Layer):
-        def call(self, x, debugging=None):
-            return x * 0.0 if debugging else x
-
-    stock = keras.Sequential([keras.Input((2,)), Zeroes()])
+    stock = keras.Sequential([keras.Input((2,)), ScalesWhenDebugging(0.0)])
     stock.predict(X, verbose=0)
     if BACKEND == "torch":  # (eager: the layer runs, and raises)
         with pytest.raises(cs.StrayValueError), cs.context(debugging=True):
@@ -685,7 +680,7 @@ def test_a_context_that_nothing_read_warns_that_it_changed_nothing():
                           r"Received: debugging=True"):
             with cs.context(debugging=True):
                 np.testing.assert_array_equal(stock.predict(X, verbose=0), X)
-    model = cs.Sequential([keras.Input((2,)), Zeroes()])
+    model = cs.Sequential([keras.Input((2,)), ScalesWhenDebugging(0.0)])
     model.register_context_args("debugging")
     with pytest.warns(UserWarning, match=r"`cs.context\(debuging=True\)`: no call inside it "
                       r"looked up `debuging`"):
@@ -710,6 +705,28 @@ def test_a_context_that_nothing_read_warns_that_it_changed_nothing():
         with pytest.raises(TypeError, match="bogus"):
             model.predict(X, verbose=0, bogus=1)
     assert len(cap) == 0
+
+
+def test_a_refusal_in_another_thread_leaves_this_scope_unread():
+    # Any refusal anywhere in the process (a process-wide count) silenced the
+    # warning of every scope open at the time.
+    import threading
+
+    def refused():  # a fresh thread: its own (empty) context
+        stock = keras.Sequential([keras.Input((2,)), ScalesWhenDebugging(0.0)])
+        with cs.context(debugging=True):
+            try:
+                stock.predict(X, verbose=0)  # (its first call: refused on each backend)
+            except cs.StrayValueError:
+                errors.append("refused")
+
+    errors = []
+    with pytest.warns(UserWarning, match=r"no call inside it looked up `debuging`"):
+        with cs.context(debuging=True):
+            thread = threading.Thread(target=refused)
+            thread.start()
+            thread.join()
+    assert errors == ["refused"]
 
 
 class _ReadsScale(keras.layers.Layer):

@@ -4,6 +4,7 @@ import keras
 import numpy as np
 import pytest
 from conftest import BACKEND, numpy
+from models_for_tests import ScalesWhenDebugging
 
 import callscope as cs
 
@@ -216,12 +217,7 @@ def test_a_callscope_error_inside_a_tf_function_keeps_its_type():
     # `except RuntimeError` misses (`_keras_compat.autograph_passes_through`).
     import tensorflow as tf
 
-    @cs.context_args("debugging")
-    class Halves(keras.layers.Layer):
-        def call(self, x, debugging=None):
-            return x * 0.5 if debugging else x
-
-    model = cs.Sequential([keras.Input((2,)), Halves()])
+    model = cs.Sequential([keras.Input((2,)), ScalesWhenDebugging()])
     model.register_context_args("debugging")
 
     @tf.function

@@ -37,7 +37,8 @@ import numpy as np
 from keras import ops
 
 from callscope import _backend, _inputs, _keras_compat, _recompute, _reduce, _scope
-from callscope._points import RESERVED, Spec, escaped, found_key, key_name, local_name
+from callscope._points import (CALL_KINDS, RESERVED, Spec, escaped, found_key, key_name,
+                               local_name)
 
 SOWN = "__callscope_sown__"
 OUTPUTS = "__callscope_outputs__"
@@ -1165,8 +1166,6 @@ OUTSIDE_A_CALL = (
     "inside the scope, or run `{method}` outside it. Received: `{layer}` called in "
     "`{owner}.{method}`")
 _STACK_LIMIT = 256  # frames looked at for the method that runs (a deep decode loop)
-_ENTRY_POINTS = frozenset(("fit", "evaluate", "predict", "train_on_batch", "test_on_batch",
-                           "predict_on_batch", "__call__"))
 
 
 def _check_inside_a_call(layer) -> None:
@@ -1181,7 +1180,7 @@ def _check_inside_a_call(layer) -> None:
     only it is found running (a callback that calls the layer itself) is one
     called on its own."""
     if _keras_compat.in_symbolic_scope() or any(  # (O(runs): per layer call)
-            run.method == "__call__" or _scope.stepping(run.model) for run in _scope.runs_here()):
+            _scope.calling(run) for run in _scope.runs_here()):
         return
     scopes = [("A `cs.capture`", c.model) for c in _scope.open_captures()] + [
         ("A `cs.patch`", model) for model, _ in _scope.open_patches()]
@@ -1200,7 +1199,7 @@ def _check_inside_a_call(layer) -> None:
             if owner is model or (isinstance(owner, keras.Model) and hasattr(owner, "_cs")
                                   and id(model) in _keras_compat.layers_held(owner)):
                 method = code.co_name.removeprefix("tf__")  # (autograph's copy)
-                if method in _ENTRY_POINTS or method.startswith("_cs_"):
+                if method in CALL_KINDS or method.startswith("_cs_"):
                     break  # (a call's callback, between its steps)
                 raise RuntimeError(OUTSIDE_A_CALL.format(
                     what=what, model=model.name, layer=layer.name, method=method,

@@ -157,11 +157,23 @@ class StrayValueError(RuntimeError):
     StrayValueError
     """
 
-    made = 0  # how many, ever: a scope that saw one was reached (`Entered`)
-
     def __init__(self, *args):
         super().__init__(*args)
-        StrayValueError.made += 1
+        _refused_here()
+
+
+def _refused_here() -> None:
+    """A refusal made where the user's scopes are open (in this thread or task, a
+    compiled step's included) said what they would have done: each counts as
+    reached, and warns nothing as it exits (`Entered`), even if it is caught
+    there. (Another thread's refusal is not theirs.)"""
+    for frame_ in {id(f): f for f in (_FRAME.var.get(), _FRAME.get())}.values():
+        while frame_ is not None:
+            if frame_.owner is not None:
+                frame_.owner.reached = True
+            frame_ = frame_.parent
+    for item in _PATCHES.get():
+        item.scope.reached = True
 
 
 STRAY_VALUE = (
@@ -491,7 +503,7 @@ class Entered(contextlib.ContextDecorator):
                                "a time. Open a new one (call it again) to nest another.")
         self.value = self.opens(self)
         self.token, self.dropped = self.var.set(self.value), False
-        self.reached, self.read, self.refusals = False, set(), StrayValueError.made
+        self.reached, self.read = False, set()
         self.thread = threading.current_thread().name
 
     def __exit__(self, *exc) -> None:
@@ -499,9 +511,9 @@ class Entered(contextlib.ContextDecorator):
         if not self.dropped:
             close(self.var, self.token, item, self.what, self.thread)
         self.token = self.thread = self.value = None
-        # (A refusal of a value while it was open, caught inside it, said the rest.)
+        # (A refusal while it was open, caught inside it, said the rest: reached.)
         if exc[0] is None and self.unreached is not None and not (
-                self.reached or self.dropped or StrayValueError.made != self.refusals):
+                self.reached or self.dropped):
             if not self.names:
                 warnings.warn(self.unreached, stacklevel=2)
             elif unread := [n for n in self.names if n not in self.read]:
@@ -749,13 +761,19 @@ def stepping(model) -> bool:
     return any(m is model for m in _STEPPING.get())
 
 
+def calling(run) -> bool:
+    """Is `run` in one of its steps, or a direct call? Between its steps (its
+    callbacks) it is not."""
+    return run.method == "__call__" or stepping(run.model)
+
+
 def run_inside(layer) -> bool:
     """Is a run of `layer`, or of a model that holds it, in a step (or a direct
-    call) here? Between its steps (its callbacks) it is not."""
+    call) here?"""
     from callscope import _keras_compat
 
-    return any((run.method == "__call__" or stepping(run.model))
-               and id(layer) in _keras_compat.layers_held(run.model) for run in _RUNS.get())
+    return any(calling(run) and id(layer) in _keras_compat.layers_held(run.model)
+               for run in _RUNS.get())
 
 
 def runs_here() -> tuple:

@@ -102,9 +102,10 @@ def _file(collector, tape, loss, backward=None, scale=None) -> None:
     # takes it: of the scaled loss, so that what float16 rounds away or flushes to
     # 0 is kept, unscaled into float32 (on a step whose scaled gradients overflow,
     # one Keras skips, it reads inf or NaN, as on JAX and torch).
-    half = ([(name, t) for name, t in rest if t.dtype in (tf.float16, tf.bfloat16)]
-            if scale is not None else [])
-    plain = [(name, t) for name, t in rest if not any(name == h for h, _ in half)]
+    halves = {name for name, t in rest if t.dtype in (tf.float16, tf.bfloat16)
+              } if scale is not None else set()
+    half = [(name, t) for name, t in rest if name in halves]
+    plain = [(name, t) for name, t in rest if name not in halves]
     for group, seed in ((plain, None), (half, scale)):
         if group:
             found = _gradient(tape, loss, [t for _, t in group],
