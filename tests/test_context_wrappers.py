@@ -13,6 +13,7 @@ import keras
 import numpy as np
 import pytest
 from conftest import numpy
+from models_for_tests import ScalesWhenDebugging
 from test_compiled_keys import _builds
 
 import callscope as cs
@@ -350,3 +351,43 @@ def test_a_model_built_inside_a_scope_gets_the_value(wrapper):
         _close(model.predict(X, verbose=0), want)
         _close(numpy(model(X)), want)
     _close(model.predict(X, verbose=0), want * 2.0)
+
+
+class OpensAroundALayer(cs.Model):
+    """Opens a scope inside its own call, around a declaring layer; on TF and
+    torch, in its test step too."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(3, kernel_initializer="ones")
+        self.halves = ScalesWhenDebugging(0.5)
+
+    def call(self, x, halve=True):
+        if not halve:
+            return self.halves(self.dense(x))
+        with cs.context(debugging=True):
+            return self.halves(self.dense(x))
+
+    if keras.backend.backend() != "jax":  # (JAX's steps are stateless: traced, as `call`)
+        def test_step(self, data):
+            x, y = data
+            with cs.context(debugging=True):  # (torch runs it eagerly)
+                out = self(x, halve=False)
+            return {"total": keras.ops.sum(out)}
+
+
+def test_a_scope_opened_inside_a_call_reaches_its_layers_on_every_backend():
+    # Delivered where the call was traced (JAX's and TF's compiled steps), but
+    # refused where it ran eagerly (a direct call; every torch step).
+    model = OpensAroundALayer()
+    flat = X.reshape(-1, F)
+    want = 0.5 * np.repeat(flat.sum(axis=1, keepdims=True), 3, axis=1)
+    np.testing.assert_allclose(numpy(model(flat)), want, rtol=1e-5)
+    np.testing.assert_allclose(model.predict(flat, verbose=0), want, rtol=1e-5)
+    if keras.backend.backend() != "jax":
+        model.compile(loss="mse")
+        logs = model.evaluate(flat, want, verbose=0, return_dict=True)
+        np.testing.assert_allclose(logs["total"], want.sum(), rtol=1e-5)
+    # Opened around the call, or between its steps, it is still refused.
+    with cs.context(debugging=True), pytest.raises(cs.StrayValueError, match="`debugging`"):
+        model(flat, halve=False)

@@ -217,6 +217,11 @@ def test_to_refuses_an_empty_path_and_overwrite_keeps_a_linked_directory(tmp_pat
             with cs.capture(model, "m/d1", to="", overwrite=overwrite):
                 model.predict(X, verbose=0)
         assert str(error.value).endswith("Received: to=''")
+    # "." (or a directory above it) was emptied, the script's own files with it.
+    for to in (".", tmp_path, tmp_path.parent):
+        with pytest.raises(ValueError, match="which is, or holds, the working directory"):
+            with cs.capture(model, "m/d1", to=to, overwrite=True):
+                model.predict(X, verbose=0)
     assert (tmp_path / "precious.txt").read_text() == "mine"
     (tmp_path / "real").mkdir()
     (tmp_path / "real" / "old.bin").write_bytes(b"old")
@@ -332,6 +337,10 @@ def test_a_call_that_waits_for_the_closing_thread_does_not_hang_its_exit(tmp_pat
     with pytest.raises(ValueError, match="another open cs.capture"):  # still its own
         with cs.capture(model, "m/d1", to=tmp_path, overwrite=True):
             pass
+    # Read in another process now, the index says that a call still runs.
+    with pytest.warns(UserWarning, match=r"written while calls it records still ran.* "
+                      r"Received: calls \[0\] running"):
+        cs.load_capture(tmp_path)
     items.put(X[4:])
     worker.join(60)
     np.testing.assert_allclose(cap["m/d1:output"], _stock(model, "d1", X), rtol=1e-5)
@@ -339,6 +348,29 @@ def test_a_call_that_waits_for_the_closing_thread_does_not_hang_its_exit(tmp_pat
                                _stock(model, "d1", X), rtol=1e-5)
     with cs.capture(model, "m/d1", to=tmp_path, overwrite=True):  # released
         model.predict(X, verbose=0)
+
+
+def test_a_call_that_raised_reads_back_as_failed(tmp_path):
+    """The index kept no word of a call's failure: read in another process, a fit
+    stopped at its third step looked like a whole one."""
+
+    class Stops(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 2:
+                raise RuntimeError("stop")
+
+    model = _model()
+    model.compile("sgd", "mse")
+    with pytest.raises(RuntimeError, match="stop"):
+        with cs.capture(model, "m/d1", to=tmp_path) as cap:
+            model.predict(X, verbose=0)
+            model.fit(X, X[:, :2], batch_size=2, epochs=1, verbose=0, callbacks=[Stops()])
+    loaded = cs.load_capture(tmp_path)
+    for found in (cap, loaded):
+        assert [(c.method, c.failed) for c in found.calls] == [("predict", False),
+                                                               ("fit", True)]
+        assert len(found.calls[1]["m/d1:output"]) == 6  # the 3 steps that ran, 2 rows each
+    np.testing.assert_allclose(loaded.calls[0]["m/d1:output"], cap.calls[0]["m/d1:output"])
 
 
 def test_an_interrupt_while_a_run_ends_leaves_no_directory_claimed(tmp_path, monkeypatch):

@@ -259,6 +259,12 @@ class Capture(Mapping):
                 f"a new or empty directory. Received: to={self._dir!r}"
             )
         os.makedirs(self._dir, exist_ok=True)
+        if self._overwrite and _holds_the_working_directory(self._dir):
+            raise ValueError(
+                f"cs.capture(to=..., overwrite=True) would empty `{self._dir}`, which is, "
+                f"or holds, the working directory ({os.getcwd()!r}): your script and data "
+                "would go with it. Give the capture a directory of its own (`to="
+                f"'{os.path.join(self._dir, 'capture')}'`). Received: to={self._dir!r}")
         if self._overwrite and first:
             empty_directory(self._dir)
         if not self._overwrite and os.listdir(self._dir):
@@ -359,8 +365,11 @@ class Capture(Mapping):
     def _write_index(self, complete: bool = True) -> None:
         if self._dir is None:
             return
+        # (`failed`, `running`: a reader in another process learns that a call's
+        # rows stop short, as the writer's `Call.failed` and warning said.)
         index = {"owner": self._id, "calls": [{"method": c.method, "nested": c.nested,
-                            "dir": os.path.basename(c._dir), "files": c.files()}
+                            "dir": os.path.basename(c._dir), "files": c.files(),
+                            "failed": c.failed, "running": c._running}
                            for c in self.calls]}
         me, processes = _backend.process_index()
         if processes == 1:
@@ -489,6 +498,11 @@ def _no_kind(matched: list[str], seen: Mapping[str, str], wanted, kinds,
     )
 
 
+def _holds_the_working_directory(path: str) -> bool:
+    here, there = os.path.realpath(os.getcwd()), os.path.realpath(path)
+    return os.path.commonpath([here, there]) == there
+
+
 def empty_directory(path: str) -> None:
     """Deletes what `path` holds, keeping the directory itself (its mode, a link
     to it, `.`, a mount point)."""
@@ -523,6 +537,8 @@ def _merged_index(directory: str) -> dict:
     merged = parts[0]
     for other in parts[1:]:
         for call, theirs in zip(merged["calls"], other["calls"]):
+            for flag in ("failed", "running"):  # (one process's says it of the call)
+                call[flag] = call.get(flag, False) or theirs.get(flag, False)
             for key, entry in theirs["files"].items():
                 mine = call["files"].setdefault(key, {**entry, "parts": []})
                 mine["parts"] = mine.get("parts", []) + entry.get("parts", [])
@@ -533,8 +549,11 @@ def load_capture(path: str | os.PathLike) -> Capture:
     """Reads back a capture streamed with `cs.capture(..., to=path)`, in any process.
 
     It gives what the capture gave when it closed: the same keys, calls and
-    values. A directory written by several JAX processes (each streams the shards
-    it holds) reads back as the whole arrays, in global batch order.
+    values, and each call's `failed`. A directory written by several JAX processes
+    (each streams the shards it holds) reads back as the whole arrays, in global
+    batch order. An index written while calls of other threads still ran (the
+    capture's exit warned) warns here too: their rows stop where they were, until
+    the last call ends and writes it again.
 
     Example:
 
@@ -565,8 +584,15 @@ def load_capture(path: str | os.PathLike) -> Capture:
     for item in index["calls"]:
         call = _sinks.Call(spec, item["method"], item["nested"],
                            os.path.join(path, item["dir"]), index.get("owner"))
-        call._files = item["files"]
+        call._files, call.failed = item["files"], item.get("failed", False)
         capture.calls.append(call)
+    if running := [i for i, item in enumerate(index["calls"]) if item.get("running")]:
+        warnings.warn(
+            f"cs.load_capture: the index of `{path}` was written while calls it records "
+            "still ran in other threads (the capture's scope closed first, and warned): "
+            "their rows stop where they were then. The index is written again when the "
+            "last of them ends: load it again after that, or join those threads before "
+            f"the scope closes. Received: calls {running} running", stacklevel=2)
     return capture
 
 

@@ -382,15 +382,24 @@ def context(**values: Any) -> Entered:
     >>> cs.current("debugging") is None
     True
     """
-    # A scope opened inside a trace is part of that trace: its values may be read.
     shown = ", ".join(f"{name}={value!r}" for name, value in values.items())
     return Entered(f"`cs.context({shown})`", _FRAME, lambda scope: dataclasses.replace(
-        overlay(values, keyed=bool(values) and _backend.is_tracing_now()),
+        overlay(values, keyed=bool(values) and _opened_inside_a_call()),
         parent=_FRAME.get(), owner=scope), (lambda unread: NOT_READ.format(
             what=f"`cs.context({shown})`", names=", ".join(f"`{n}`" for n in unread),
             those="that value" if len(unread) == 1 else "those values",
             shown=", ".join(f"{n}={values[n]!r}" for n in unread))) if values else None,
         names=tuple(values))
+
+
+def _opened_inside_a_call() -> bool:
+    """Whether a scope opened here is part of a call's computation, whose values
+    its layers may take as if passed: inside a trace (it is part of the trace), a
+    layer's call (eager, as torch's steps run) or a step of a callscope model. A
+    scope opened between a call's steps (in a callback), or around a call, is
+    not: a model that registered the names carries it in."""
+    return (_backend.is_tracing_now() or _keras_compat.current_call_context() is not None
+            or any(stepping(run.model) for run in _RUNS.get()))
 
 
 NOT_READ = (
@@ -504,6 +513,8 @@ class Entered(contextlib.ContextDecorator):
         self.value = self.opens(self)
         self.token, self.dropped = self.var.set(self.value), False
         self.reached, self.read = False, set()
+        # (Opened in a call for the output's shape only, it reaches nothing by design.)
+        self.shapes_only = _keras_compat.in_symbolic_scope()
         self.thread = threading.current_thread().name
 
     def __exit__(self, *exc) -> None:
@@ -513,7 +524,7 @@ class Entered(contextlib.ContextDecorator):
         self.token = self.thread = self.value = None
         # (A refusal while it was open, caught inside it, said the rest: reached.)
         if exc[0] is None and self.unreached is not None and not (
-                self.reached or self.dropped):
+                self.reached or self.dropped or self.shapes_only):
             if not self.names:
                 warnings.warn(self.unreached, stacklevel=2)
             elif unread := [n for n in self.names if n not in self.read]:
@@ -770,8 +781,6 @@ def calling(run) -> bool:
 def run_inside(layer) -> bool:
     """Is a run of `layer`, or of a model that holds it, in a step (or a direct
     call) here?"""
-    from callscope import _keras_compat
-
     return any(calling(run) and id(layer) in _keras_compat.layers_held(run.model)
                for run in _RUNS.get())
 

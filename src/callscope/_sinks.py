@@ -442,6 +442,9 @@ class Call(Mapping):
         nested: True for a call made while another call of the same model, one
             this capture records too, was running in the same thread: `fit`'s
             validation, or a callback's `predict`.
+        failed: True for a call that raised (an error caught inside the scope, or
+            the one that left it): its rows stop at the last step that ran.
+            `cs.load_capture` gives it back.
     """
 
     def __init__(self, spec: Spec, method: str, nested: bool, directory: str | None,
