@@ -707,6 +707,20 @@ def test_a_context_that_nothing_read_warns_that_it_changed_nothing():
     assert len(cap) == 0
 
 
+def test_the_unread_warning_points_at_the_users_line():
+    # As a decorator, contextlib's wrapper exits the scope: the warning named it.
+    @cs.context(debuging=True)
+    def run():
+        return 1
+
+    with pytest.warns(UserWarning, match="looked up `debuging`") as caught:
+        run()
+    with pytest.warns(UserWarning, match="looked up `mode`") as caught_too:
+        with cs.context(mode=1):
+            pass
+    assert [w.filename for w in (*caught, *caught_too)] == [__file__, __file__]
+
+
 def test_a_refusal_in_another_thread_leaves_this_scope_unread():
     # Any refusal anywhere in the process (a process-wide count) silenced the
     # warning of every scope open at the time.

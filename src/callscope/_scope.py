@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import sys
 import threading
 import warnings
 from collections.abc import Iterator, Mapping
@@ -526,9 +527,18 @@ class Entered(contextlib.ContextDecorator):
         if exc[0] is None and self.unreached is not None and not (
                 self.reached or self.dropped or self.shapes_only):
             if not self.names:
-                warnings.warn(self.unreached, stacklevel=2)
+                warnings.warn(self.unreached, stacklevel=_user_level())
             elif unread := [n for n in self.names if n not in self.read]:
-                warnings.warn(self.unreached(unread), stacklevel=2)
+                warnings.warn(self.unreached(unread), stacklevel=_user_level())
+
+
+def _user_level() -> int:
+    """The `stacklevel` of the user's line that exits a scope: its `with`, or the
+    function a scope decorates (`@cs.context(...)`: contextlib's wrapper exits it)."""
+    level, frame_ = 2, sys._getframe(2)
+    while frame_ is not None and frame_.f_code.co_filename == contextlib.__file__:
+        level, frame_ = level + 1, frame_.f_back
+    return level
 
 
 OTHER_CONTEXT = (
