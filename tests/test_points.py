@@ -394,6 +394,69 @@ def test_sow_inside_a_users_scan_is_refused_alike_on_every_backend():
             model.predict(X, batch_size=8, verbose=0)
 
 
+def _backend_vmap(fn, xs):
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        return tf.vectorized_map(fn, xs)
+    if BACKEND == "torch":
+        import torch
+
+        return torch.vmap(fn)(xs)
+    import jax
+
+    return jax.vmap(fn)(xs)
+
+
+class MapsOverTime(layers.Layer):
+    """Maps its Dense over the time axis with the backend's own vectorizing map,
+    or with Keras's TimeDistributed, whose time axis a boolean mask hides."""
+
+    def __init__(self, own_map, **kwargs):
+        super().__init__(**kwargs)
+        self.own_map = own_map
+        self.d = layers.Dense(3, name="d")
+        self.td = layers.TimeDistributed(self.d, name="td")
+
+    def build(self, shape):
+        self.d.build(shape[:1] + shape[2:])
+
+    def call(self, x):
+        if self.own_map:
+            out = _backend_vmap(lambda r: cs.sow(self, "z", self.d(r)),
+                                ops.transpose(x, (1, 0, 2)))
+            return ops.transpose(out, (1, 0, 2))
+        if BACKEND == "tensorflow":  # (a time axis unknown while tracing)
+            import tensorflow as tf
+
+            x = tf.boolean_mask(x, tf.ones([tf.shape(x)[1]], bool), axis=1)
+        return self.td(x)
+
+    def compute_output_shape(self, shape):
+        return (*shape[:-1], 3)
+
+
+@pytest.mark.parametrize("own_map", [True, False])
+def test_a_layer_in_a_vectorizing_map_is_a_loop_point(own_map):
+    # TF's `vectorized_map` (a layer's own, or TimeDistributed's over an unknown
+    # time axis) traced the body once: the point held time step 0 only, its
+    # gradient 0; torch's `vmap` raised its own error even for "*".
+    x = np.random.default_rng(0).normal(size=(6, 6, 4)).astype("float32")
+    model = cs.Sequential([keras.Input((6, 4)), MapsOverTime(own_map, name="per")], name="m")
+    model(x)
+    kernel, bias = (numpy(v) for v in model.get_layer("per").d.weights)
+    with cs.capture(model, "*") as cap:
+        out = model.predict(x, batch_size=6, verbose=0)
+    if own_map or BACKEND == "tensorflow":
+        assert set(cap) == {"m/per:output", "m:output"} | (set() if own_map else {
+            "m/per/td:output"})
+        inner = "m/per/d" if own_map else "m/per/td/d"
+        with pytest.raises(cs.LoopPointError, match=inner):
+            with cs.capture(model, inner):
+                model.predict(x, batch_size=6, verbose=0)
+    np.testing.assert_allclose(out, x @ kernel + bias, rtol=1e-5, atol=1e-5)
+
+
 class SowingCell(layers.Layer):
     state_size = output_size = 4
 

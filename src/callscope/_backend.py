@@ -302,10 +302,12 @@ def trace_marker():
     nested transformation, whose values cannot leave it. It is the depth of
     `keras.ops` loops and branches (`_keras_compat.mark_loops`), with, on JAX,
     the current trace (jax 0.10.2: `jax._src.core.trace_ctx`, the only way to ask;
-    it catches `jax.lax` loops and transforms in user code) and, on TF, the
+    it catches `jax.lax` loops and transforms in user code), on TF, the
     default graph (a `tf.while_loop` body is a graph of its own) and whether
     gradient recording is stopped (`tf.recompute_grad`'s body: a gradient of a
-    value made there reads 0). RNN layers are known by type."""
+    value made there reads 0), and on torch, the level of `torch.func`
+    transforms (`torch.vmap`'s values cannot leave it: torch's own error). RNN
+    layers are known by type."""
     from callscope import _keras_compat
 
     depth = _keras_compat.loop_depth()
@@ -318,7 +320,7 @@ def trace_marker():
 
         graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
         return depth, graph, _keras_compat.tf_recording_stopped()
-    return depth, None
+    return depth, _keras_compat.torch_transform_level()
 
 
 def marks_loop(marker) -> bool:

@@ -673,11 +673,25 @@ def mark_loops() -> None:
     core = getattr(backend, "core", None) or getattr(getattr(backend, "ops", None), "core", None)
     if core is None:
         return  # (a Keras that moved it: loops go unmarked; a compat test says so)
-    for name in _LOOPS:
-        loop = getattr(core, name, None)
-        if loop is None or getattr(loop, "_callscope_loop", False):
-            continue
-        setattr(core, name, _counted(loop))
+    # And the names the backend package holds (`from .<backend>.core import *`):
+    # `TimeDistributed` calls `backend.vectorized_map` (keras 3.15.1:
+    # layers/rnn/time_distributed.py:138), where a time axis unknown while tracing
+    # takes TF's `vectorized_map`, whose body recorded step 0 only, as an
+    # ordinary point.
+    for home in dict.fromkeys([core, backend]):
+        for name in _LOOPS:
+            loop = getattr(home, name, None)
+            if loop is None or not callable(loop) or getattr(loop, "_callscope_loop", False):
+                continue
+            setattr(home, name, _counted(loop))
+    if backend.backend() == "tensorflow":
+        # TF's own `tf.vectorized_map`, which Keras's calls at call time, as does a
+        # layer's own code (tensorflow 2.21.0): its `pfor` traces the body once, in
+        # the caller's graph, as one iteration.
+        import tensorflow as tf
+
+        if not getattr(tf.vectorized_map, "_callscope_loop", False):
+            tf.vectorized_map = _counted(tf.vectorized_map)
     # `keras.remat(f)` (keras 3.15.1: backend/common/remat.py calls
     # `backend.core.remat(f)` when it wraps f; keras-nightly 3.16.0.dev2026102704:
     # `backend.ops.remat(f)`): the body of a checkpoint counts as a loop body. JAX
@@ -716,6 +730,18 @@ def _counted(f):
 
     counted._callscope_loop = True
     return counted
+
+
+def torch_transform_level():
+    """torch: the level of `torch.func` transforms (`torch.vmap`, `torch.func.grad`)
+    that the running Python is inside, or None (torch 2.13.0:
+    `torch._C._functorch.maybe_current_level`). Not asked under `torch.compile`,
+    whose graph it would break."""
+    import torch
+
+    if torch.compiler.is_compiling():
+        return None
+    return torch._C._functorch.maybe_current_level()
 
 
 def tf_recording_stopped() -> bool:
