@@ -229,3 +229,43 @@ def test_tf_mirrored_strategy_matches_one_device():
             _assert_all_close(unbuilt[how][part], unbuilt["single"][part])
     assert results["central_storage_error"].endswith(
         "Received: strategy=CentralStorageStrategy"), results.get("central_storage_error")
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="tf.distribute is TensorFlow's engine")
+@pytest.mark.parametrize("run_eagerly", [False, True])
+def test_tf_mirrored_strategy_of_one_replica_takes_values_and_scopes(run_eagerly):
+    # A plain `MirroredStrategy()` on a one-GPU (or CPU) machine runs its one replica
+    # in a thread of its own: every value was dropped without a word, a capture or
+    # patch said its point was never reached, and `run_eagerly=True` deadlocked.
+    import keras
+    import tensorflow as tf
+
+    import callscope as cs
+
+    @cs.context_args("debugging", "temp")
+    class Probe(keras.layers.Layer):
+        def call(self, x, debugging=None, temp=None):
+            x = x if temp is None else x * temp
+            return x + 100.0 if debugging else x
+
+    x = np.arange(16, dtype="float32").reshape(8, 2) / 10
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
+    assert strategy.num_replicas_in_sync == 1
+    with strategy.scope():
+        model = cs.Sequential([keras.Input((2,)), keras.layers.Dense(1, name="d"),
+                               Probe(name="p")], name="seq")
+        model.register_context_args("debugging")
+        model.register_context_args("temp", dynamic=True)
+        model.compile(optimizer="sgd", loss="mse", run_eagerly=run_eagerly)
+    kernel, bias = model.get_weights()
+    plain = x @ kernel + bias
+    np.testing.assert_allclose(model.predict(x, verbose=0, debugging=True), plain + 100,
+                               rtol=1e-5)
+    np.testing.assert_allclose(model.predict(x, verbose=0, temp=3.0), plain * 3, rtol=1e-5)
+    with cs.context(debugging=True):
+        loss = model.evaluate(x, plain, verbose=0)
+    np.testing.assert_allclose(loss, 100.0**2, rtol=1e-4)
+    with cs.capture(model, "seq/d") as cap, cs.patch(model, {"seq/p": lambda v: v * 0}):
+        np.testing.assert_array_equal(model.predict(x, batch_size=4, verbose=0), 0 * plain)
+    np.testing.assert_allclose(cap["seq/d:output"], plain, rtol=1e-5)
+    np.testing.assert_allclose(model.predict(x, verbose=0), plain, rtol=1e-5)  # (the default)

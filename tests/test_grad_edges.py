@@ -1328,3 +1328,34 @@ def test_a_gradient_capture_of_a_step_whose_loss_intermediate_grads_takes_is_ref
     with cs.capture(model, "*d2") as captured:  # nothing stays behind
         model.fit(X, Y, batch_size=len(X), epochs=1, verbose=0)
     assert numpy(captured["m/d2:output"]).shape == (len(X), 1)
+
+
+def _stateful_model():
+    keras.utils.set_random_seed(1)
+    inp = keras.Input((5, 3), batch_size=4)
+    h = keras.layers.BatchNormalization(name="bn")(inp)
+    if BACKEND != "torch":  # (torch's dropout draws from torch's own global generator)
+        h = keras.layers.Dropout(0.3, name="drop")(h)
+    h = keras.layers.LSTM(6, stateful=True, name="r")(h)
+    return cs.Model(inp, keras.layers.Dense(2, name="head")(h), name="m")
+
+
+def test_intermediate_grads_keeps_the_state_its_call_updates():
+    # On JAX the trace wrote tracers into the moving statistics, the RNN's state and
+    # the dropout's seed: the model raised UnexpectedTracerError ever after.
+    x = np.random.default_rng(2).normal(size=(4, 5, 3)).astype("float32")
+    y = np.random.default_rng(3).normal(size=(4, 2)).astype("float32")
+    model, reference = _stateful_model(), _stateful_model()
+    model(x)
+    reference(x)
+    target = keras.ops.convert_to_tensor(y)
+    result = cs.intermediate_grads(
+        model, lambda: keras.ops.mean((model(x, training=True) - target) ** 2), select="m/r")
+    want = numpy(reference(x, training=True))  # as a direct call updates it
+    loss = numpy(keras.ops.stop_gradient(result.loss))  # (torch: it keeps its graph)
+    np.testing.assert_allclose(loss, np.mean((want - y) ** 2), rtol=1e-5)
+    for got, expected in zip(model.non_trainable_variables, reference.non_trainable_variables):
+        np.testing.assert_allclose(numpy(got), numpy(expected), rtol=1e-5, atol=1e-6,
+                                   err_msg=got.path)
+    np.testing.assert_allclose(model.predict(x, batch_size=4, verbose=0),
+                               reference.predict(x, batch_size=4, verbose=0), rtol=1e-5)

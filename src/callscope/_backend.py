@@ -137,6 +137,16 @@ def is_mirrored(strategy) -> bool:
     return isinstance(strategy, tf.distribute.MirroredStrategy)
 
 
+def in_replica_thread() -> bool:
+    """Does a replica of a `tf.distribute` step (one of several, or a
+    `MirroredStrategy`'s one) run here, in a thread that sees no contextvars?"""
+    if BACKEND != "tensorflow":
+        return False
+    import tensorflow as tf
+
+    return tf.distribute.has_strategy() and not tf.distribute.in_cross_replica_context()
+
+
 def replicas_in_step() -> int:
     """How many replicas run the step being traced now (1 outside tf.distribute)."""
     context = _replica_context()

@@ -291,7 +291,7 @@ class Engine(CaptureMixin):
             calls, landing = begin_calls(captures, method, runs)
             try:  # the run ends whatever happens: a capture's exit waits for its calls
                 run = Run(self, method, entry, tuple(dynamic), calls, patches, nested,
-                          _keras_compat.replicas(self) > 1, offset,
+                          _keras_compat.replica_threads(self), offset,
                           tuple(c.spec for c in captures if c.spec.finds_ranges()), landing,
                           (frame, *_scope.scopes_now()[1:]))
                 logging = next((i for i, c in enumerate(captures) if c.log), None)

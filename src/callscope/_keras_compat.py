@@ -215,6 +215,47 @@ def state_mapping(model, state) -> list:
     return pairs
 
 
+@contextlib.contextmanager
+def collected_updates():
+    """JAX: a `keras.StatelessScope` over the one in effect (its values kept), that
+    collects what layers assign (a BatchNormalization's moving statistics under
+    `training=True`, a stateful RNN's state, a seed generator's): yields
+    `{id: (variable, value)}`, filled as they assign. Inside a trace, an assignment
+    wrote a tracer into the variable, and the model was broken for good
+    (`UnexpectedTracerError`); `write_back` puts the values, computed, where
+    they belong (keras 3.15.1: backend/common/stateless_scope.py, `state_mapping`
+    and `add_update`)."""
+    from keras.src.backend.common.stateless_scope import get_stateless_scope
+
+    outer = get_stateless_scope()
+    updates = {}
+
+    class Collecting(keras.StatelessScope):
+        def add_update(self, update):
+            super().add_update(update)
+            updates[id(update[0])] = update
+
+    scope = Collecting(initialize_variables=False)
+    if outer is not None:
+        scope.state_mapping = dict(outer.state_mapping)
+        scope.collect_losses, scope.losses = outer.collect_losses, outer.losses
+    with scope:
+        yield updates
+
+
+def write_back(pairs) -> None:
+    """`(variable, value)` pairs collected by `collected_updates`, computed: to the
+    scope in effect (a step's), or into the variables."""
+    from keras.src.backend.common.stateless_scope import get_stateless_scope
+
+    outer = get_stateless_scope()
+    for variable, value in pairs:
+        if outer is not None:
+            outer.add_update((variable, value))
+        else:
+            variable.assign(value)
+
+
 def stateless_value(variable):
     """`variable`'s value in the innermost `keras.StatelessScope`, or None where
     no scope holds it (keras 3.15.1: backend/common/stateless_scope.py; the
@@ -260,6 +301,18 @@ def replicas(model) -> int:
     """Replicas of the model's tf.distribute strategy (1 elsewhere)."""
     strategy = getattr(model, "distribute_strategy", None)
     return getattr(strategy, "num_replicas_in_sync", 1)
+
+
+def replica_threads(model) -> bool:
+    """Does the model's tf.distribute strategy run its steps in replica threads,
+    which see none of the caller's contextvars? Several replicas, or a
+    `MirroredStrategy` of one (a one-GPU or CPU machine's plain
+    `MirroredStrategy()`: tensorflow 2.21.0 distribute/mirrored_run.py runs even
+    one replica in a `_MirroredReplicaThread`; its values were dropped)."""
+    from callscope import _backend
+
+    return replicas(model) > 1 or _backend.is_mirrored(getattr(model, "distribute_strategy",
+                                                               None))
 
 
 def compile_from_config(model, config, own_compile):

@@ -218,7 +218,7 @@ class ContextMixin(Engine, _keras_compat.LossHook, *_JAX_HOOKS):
         # their collectives (a synchronized BatchNormalization); one holding the gate
         # there deadlocked the rest (they see no contextvars, so not `stepping`).
         eager = not symbolic and not tracing
-        in_step = eager and (_scope.stepping(self) or _backend.replicas_in_step() > 1)
+        in_step = eager and (_scope.stepping(self) or _backend.in_replica_thread())
         gate = state.gate if eager and not in_step else None
         token = gate.enter() if gate is not None else None
         try:

@@ -121,9 +121,13 @@ def value_and_grads(collector, loss_fn, args):
         placeholders.append(placeholder)
         return marked
 
+    updated = []  # the variables `loss_fn` assigns, in the order of the trace's values
+
     def traced(*args):
-        with _based(collector):
-            return loss_fn(*args), collector.records, placeholders
+        with _based(collector), _keras_compat.collected_updates() as updates:
+            result = loss_fn(*args)
+        updated[:] = [variable for variable, _ in updates.values()]
+        return result, collector.records, [v for _, v in updates.values()], placeholders
 
     previous = collector.on_grad_source
     collector.on_grad_source = mark
@@ -137,19 +141,20 @@ def value_and_grads(collector, loss_fn, args):
 
     sources = collector.grad_source_list()  # (name, marked tracer of the trace above)
     order = [position(value) for _, value in sources]
-    out_tree = jax.tree.structure(shapes[:2])
+    out_tree = jax.tree.structure(shapes[:3])
     fn = None if None in order else _as_inputs(closed, out_tree.num_leaves)
     if fn is None:
         return _fallback(collector, loss_fn, args, sources)
     leaves = jax.tree.leaves(args)  # make_jaxpr's inputs, in order
 
     def forward(perturbations):
-        result, records = jax.tree.unflatten(out_tree, fn(*leaves, *perturbations))
+        result, records, values = jax.tree.unflatten(out_tree, fn(*leaves, *perturbations))
         loss, aux = _split(result)
-        return loss, (aux, records)
+        return loss, (aux, records, values)
 
-    zeros = [jnp.zeros(s.shape, s.dtype) for s in shapes[2]]
-    (loss, (aux, records)), grads = jax.value_and_grad(forward, has_aux=True)(zeros)
+    zeros = [jnp.zeros(s.shape, s.dtype) for s in shapes[3]]
+    (loss, (aux, records, values)), grads = jax.value_and_grad(forward, has_aux=True)(zeros)
+    _keras_compat.write_back(zip(updated, values))  # as a direct call assigns them
     collector.records = {}
     collector.merge(records)  # the outputs, as values (not tracers of the trace)
     collector.grad_sources = {}
@@ -194,12 +199,16 @@ def _fallback(collector, loss_fn, args, sources):
     collector.records, collector.grad_sources = {}, {}
     del collector.tree[:]
 
-    def forward(perturbations):
-        with _based(collector):
-            loss, aux = _split(_perturbed(collector, loss_fn)(perturbations, *args))
-        return loss, (aux, collector.records)
+    updated = []
 
-    (loss, (aux, records)), grads = jax.value_and_grad(forward, has_aux=True)(zeros)
+    def forward(perturbations):
+        with _based(collector), _keras_compat.collected_updates() as updates:
+            loss, aux = _split(_perturbed(collector, loss_fn)(perturbations, *args))
+        updated[:] = [variable for variable, _ in updates.values()]
+        return loss, (aux, collector.records, [v for _, v in updates.values()])
+
+    (loss, (aux, records, values)), grads = jax.value_and_grad(forward, has_aux=True)(zeros)
+    _keras_compat.write_back(zip(updated, values))
     reached = {name for name, _ in collector.grad_source_list()}
     if reached != set(zeros):  # the sources were not perturbed
         raise RuntimeError(
