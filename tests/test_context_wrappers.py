@@ -391,3 +391,26 @@ def test_a_scope_opened_inside_a_call_reaches_its_layers_on_every_backend():
     # Opened around the call, or between its steps, it is still refused.
     with cs.context(debugging=True), pytest.raises(cs.StrayValueError, match="`debugging`"):
         model(flat, halve=False)
+
+
+@pytest.mark.skipif(keras.backend.backend() == "torch", reason="torch.compile checks again")
+def test_a_scope_opened_inside_a_call_is_not_frozen_into_a_users_compiled_function():
+    # Keyed where it was opened eagerly, its value was traced into the user's
+    # `jax.jit` / `tf.function` inside the call, and reused for the next value.
+    inner = ScalesWhenDebugging(0.5)
+    if keras.backend.backend() == "jax":
+        import jax
+
+        compiled = jax.jit(lambda x: inner(x))
+    else:
+        import tensorflow as tf
+
+        compiled = tf.function(lambda x: inner(x))
+
+    class Opens(keras.layers.Layer):
+        def call(self, x, flag=True):
+            with cs.context(debugging=flag):
+                return compiled(x)
+
+    with pytest.raises(cs.StrayValueError, match="`debugging`"):
+        Opens()(keras.ops.ones((2, 2)))

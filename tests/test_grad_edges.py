@@ -1359,3 +1359,23 @@ def test_intermediate_grads_keeps_the_state_its_call_updates():
                                    err_msg=got.path)
     np.testing.assert_allclose(model.predict(x, batch_size=4, verbose=0),
                                reference.predict(x, batch_size=4, verbose=0), rtol=1e-5)
+
+
+def test_intermediate_grads_keeps_the_losses_layers_add():
+    # On JAX, the scope that keeps the state dropped `add_loss`'s losses: the
+    # loss read without its regularization term.
+    keras.utils.set_random_seed(4)
+    model = cs.Sequential([keras.Input((3,)), keras.layers.Dense(
+        4, name="d", activity_regularizer=keras.regularizers.L2(10.0))], name="m")
+    model(X)
+    target = keras.ops.convert_to_tensor(np.ones((5, 4), "float32"))
+
+    def loss_fn():
+        out = model(X)
+        return keras.ops.mean((out - target) ** 2) + keras.ops.sum(model.losses)
+
+    result = cs.intermediate_grads(model, loss_fn, select="m/d")
+    kernel, bias = model.get_weights()
+    out = X @ kernel + bias
+    want = np.mean((out - 1) ** 2) + 10.0 * np.sum(out**2) / len(X)
+    np.testing.assert_allclose(numpy(keras.ops.stop_gradient(result.loss)), want, rtol=1e-5)

@@ -885,3 +885,16 @@ def test_names_keras_made_up_are_told_from_the_users_own(tmp_path):
                            f"m/{model.layers[1].name}/soft"}
     keras.utils.clear_session()  # Keras's name counters start again: no matter
     assert cs.points(model, X) == points
+
+
+def test_listing_the_points_leaves_a_stateful_models_state():
+    # `cs.points` and `cs.summary` run the model: a stateful RNN's state moved.
+    x = np.random.default_rng(0).normal(size=(4, 5, 3)).astype("float32")
+    inp = keras.Input((5, 3), batch_size=4)
+    model = cs.Model(inp, layers.LSTM(6, stateful=True, name="r")(inp), name="m")
+    model(x)  # (a state of its own, not zeros)
+    before = [numpy(v).copy() for v in model.non_trainable_variables]
+    assert cs.points(model, x) == {"m": (4, 6), "m/r": (4, 6)}
+    cs.summary(model, x, print_fn=lambda text: None)
+    for variable, value in zip(model.non_trainable_variables, before):
+        np.testing.assert_array_equal(numpy(variable), value, err_msg=variable.path)

@@ -499,8 +499,11 @@ def _no_kind(matched: list[str], seen: Mapping[str, str], wanted, kinds,
 
 
 def _holds_the_working_directory(path: str) -> bool:
-    here, there = os.path.realpath(os.getcwd()), os.path.realpath(path)
-    return os.path.commonpath([here, there]) == there
+    try:
+        here, there = os.path.realpath(os.getcwd()), os.path.realpath(path)
+        return os.path.commonpath([here, there]) == there
+    except (OSError, ValueError):  # no working directory (deleted); another drive
+        return False
 
 
 def empty_directory(path: str) -> None:

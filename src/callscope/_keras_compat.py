@@ -235,7 +235,9 @@ def collected_updates():
             super().add_update(update)
             updates[id(update[0])] = update
 
-    scope = Collecting(initialize_variables=False)
+    # (Collecting the losses `add_loss` adds, which `model.losses` reads inside:
+    # without, they were dropped, and a loss of `loss_fn` that adds them too.)
+    scope = Collecting(collect_losses=True, initialize_variables=False)
     if outer is not None:
         scope.state_mapping = dict(outer.state_mapping)
         scope.collect_losses, scope.losses = outer.collect_losses, outer.losses

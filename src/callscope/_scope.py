@@ -318,7 +318,8 @@ def unpassed_values(layer, names) -> dict[str, Any]:
             value = current.outside.get(name)
         if value is None or _keras_compat.passed_by_an_outer_layer(name):
             continue
-        if name not in current.keyed or current.values.get(name) is None:
+        if current.values.get(name) is None or name not in current.keyed and not (
+                not _backend.is_tracing_now() and _set_inside_a_call(current, name)):
             raise StrayValueError(NOT_PASSED.format(name=name, value=value, layer=layer.name))
         found[name] = value
     return found
@@ -384,9 +385,15 @@ def context(**values: Any) -> Entered:
     True
     """
     shown = ", ".join(f"{name}={value!r}" for name, value in values.items())
-    return Entered(f"`cs.context({shown})`", _FRAME, lambda scope: dataclasses.replace(
-        overlay(values, keyed=bool(values) and _opened_inside_a_call()),
-        parent=_FRAME.get(), owner=scope), (lambda unread: NOT_READ.format(
+    def opens(scope):
+        # Opened inside a trace, it is part of that trace: its values may be read
+        # there. Opened eagerly inside a call, its layers take its values, but a
+        # trace begun inside it (your own `jax.jit` in a layer's call) must not.
+        scope.inside_call = _opened_inside_a_call()
+        return dataclasses.replace(overlay(values, keyed=bool(values) and (
+            _backend.is_tracing_now())), parent=_FRAME.get(), owner=scope)
+
+    return Entered(f"`cs.context({shown})`", _FRAME, opens, (lambda unread: NOT_READ.format(
             what=f"`cs.context({shown})`", names=", ".join(f"`{n}`" for n in unread),
             those="that value" if len(unread) == 1 else "those values",
             shown=", ".join(f"{n}={values[n]!r}" for n in unread))) if values else None,
@@ -395,12 +402,22 @@ def context(**values: Any) -> Entered:
 
 def _opened_inside_a_call() -> bool:
     """Whether a scope opened here is part of a call's computation, whose values
-    its layers may take as if passed: inside a trace (it is part of the trace), a
-    layer's call (eager, as torch's steps run) or a step of a callscope model. A
-    scope opened between a call's steps (in a callback), or around a call, is
-    not: a model that registered the names carries it in."""
-    return (_backend.is_tracing_now() or _keras_compat.current_call_context() is not None
+    its declaring layers take as if passed (`unpassed_values`): inside a layer's
+    call or a step of a callscope model (eager, as torch's steps run; in a trace,
+    its values are the trace's own). A scope opened between a call's steps (in
+    a callback), or around a call, is not: a model that registered the names
+    carries it in."""
+    return (_keras_compat.current_call_context() is not None
             or any(stepping(run.model) for run in _RUNS.get()))
+
+
+def _set_inside_a_call(frame_: Frame, name: str) -> bool:
+    """Was `name`'s value set by a user's scope opened inside a call's computation?"""
+    while frame_ is not None:
+        if frame_.owner is not None and name in frame_.owner.names:
+            return frame_.owner.inside_call
+        frame_ = frame_.parent
+    return False
 
 
 NOT_READ = (
@@ -501,7 +518,7 @@ class Entered(contextlib.ContextDecorator):
         # the `names` a context sets (`unreached(unread names)` says which were not).
         self.unreached, self.names = unreached, names
         self.token = self.thread = self.value = None
-        self.dropped = self.reached = False
+        self.dropped = self.reached = self.inside_call = False
         self.read: set[str] = set()  # of `names`, those a call looked up
 
     def _recreate_cm(self):  # used as a decorator: a scope of its own per call

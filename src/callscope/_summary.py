@@ -18,14 +18,19 @@ _EVERYTHING = Spec(select=lambda point, layer: True, kinds=("output",), stats=No
 
 
 def _run(model, x):
+    """The calls' records of `model(x)`. What the call assigns (a stateful RNN's
+    state) goes into a `keras.StatelessScope`, and is dropped: listing the points
+    leaves a built model as it was."""
     _steps.check_not_rematerialized(model)
     if not model.built:
         # A plain call: builds, records nothing; in the model's strategy's scope,
         # as Keras builds it (`_backend.strategy_scope`).
+        # (Not in a StatelessScope, where Keras makes no variables: what this
+        # call assigns stays, as a first call of the user's would leave it.)
         with _record.collecting_for(()), _backend.strategy_scope(model):
             model(x, training=False)
     _record.install_wrappers(model)
-    with _record.collecting_for((_EVERYTHING,)) as collector:
+    with _record.collecting_for((_EVERYTHING,)) as collector, keras.StatelessScope():
         collector.discovery = True
         model(x, training=False)
     return collector.tree
@@ -45,7 +50,9 @@ def _shape(value):
 def points(model, x) -> dict[str, tuple]:
     """Every point of `model` (layers and sown values) and its output shape.
 
-    Runs `model(x)` once, eagerly. A layer called several times is listed once per
+    Runs `model(x)` once, eagerly, and leaves a built model's state as it was (a
+    stateful RNN's; an unbuilt one is built by a call first, which assigns it as a
+    call does). A layer called several times is listed once per
     call, as `point@i`, the way `cs.capture` keys it. A layer with a tuple, list or
     dict output is listed with the structure of shapes, and each element as its
     own point. Layers inside a loop body (an RNN's cell) are not points.
