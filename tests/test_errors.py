@@ -48,6 +48,34 @@ def test_tensor_for_a_static_name_points_to_dynamic(model):
         model.predict(X, debugging=np.zeros(2), verbose=0)
 
 
+def test_a_static_name_that_an_enclosing_model_registers_dynamic_names_both():
+    # It told the user to register the name with dynamic=True on the model they
+    # called, which had done so; the inner model that had not went unnamed.
+    class Inner(cs.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.scales = ScalesWhenDebugging()
+            self.register_context_args("temp")  # static
+
+        def call(self, x):
+            return self.scales(x)
+
+    class Outer(cs.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.inner = Inner()
+            self.register_context_args("temp", dynamic=True)
+
+        def call(self, x):
+            return self.inner(x)
+
+    with pytest.raises(TypeError, match=r"`temp` is static on `Inner` \(registered without "
+                       r"`dynamic=True`\), but its value reached it as a tensor from its "
+                       r"caller.*`register_context_args\('temp', dynamic=True\)` on `Inner` "
+                       r"too, or static on all. Received: temp="):
+        Outer().predict(X, temp=2.0, verbose=0)
+
+
 def test_unhashable_value_names_the_argument(model):
     expected = r"`debugging` must be hashable.*Received: debugging=\[1, 2\]"
     with pytest.raises(TypeError, match=expected):

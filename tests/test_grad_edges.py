@@ -1379,3 +1379,19 @@ def test_intermediate_grads_keeps_the_losses_layers_add():
     out = X @ kernel + bias
     want = np.mean((out - 1) ** 2) + 10.0 * np.sum(out**2) / len(X)
     np.testing.assert_allclose(numpy(keras.ops.stop_gradient(result.loss)), want, rtol=1e-5)
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="Keras assigns a state in place on torch")
+def test_a_gradient_that_an_in_place_state_breaks_is_refused_by_name():
+    # Stacked stateful RNNs: torch's own error ("modified by an inplace operation
+    # ... version 2"), naming no point, from an evaluate that works without it.
+    x = np.random.default_rng(0).normal(size=(4, 5, 3)).astype("float32")
+    inp = keras.Input((5, 3), batch_size=4)
+    h = keras.layers.LSTM(6, stateful=True, return_sequences=True, name="r")(inp)
+    h = keras.layers.GRU(6, stateful=True, name="g")(h)
+    model = cs.Model(inp, keras.layers.Dense(2, name="head")(h), name="m")
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(RuntimeError, match=r"could not take the gradients of \['m/r'\]: the "
+                       r"backward pass needs a value that a layer changed in place"):
+        with cs.capture(model, "m/r", kinds=("grad",)):
+            model.evaluate(x, np.zeros((4, 2), "float32"), batch_size=4, verbose=0)

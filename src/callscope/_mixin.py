@@ -24,6 +24,16 @@ _JAX_HOOKS = ((_keras_compat.AuxHook, _keras_compat.SyncHook)
               if keras.backend.backend() == "jax" else ())
 
 
+_INHERITED_TENSOR = (
+    "Context argument `{name}` is static on `{model}` (registered without "
+    "`dynamic=True`), but its value reached it as a tensor from its caller: an "
+    "enclosing model that registers `{name}` with `dynamic=True` (its layers get "
+    "the value as a tensor), or a `cs.context` that set one. A static value selects "
+    "a compiled function, so it cannot be a tensor. Register the name alike on every "
+    "model that takes it: `register_context_args({name!r}, dynamic=True)` on "
+    "`{model}` too, or static on all. Received: {name}={value}")
+
+
 class ContextMixin(Engine, _keras_compat.LossHook, *_JAX_HOOKS):
     """Adds context arguments, captures and patches to a Keras model. Used through
     `cs.Model`, `cs.Sequential` and `cs.enable`, or mixed in first, before the Keras
@@ -186,6 +196,9 @@ class ContextMixin(Engine, _keras_compat.LossHook, *_JAX_HOOKS):
             if value is None:
                 continue
             if name in state.static:
+                if name not in given and _keys.is_tensor_like(value) and hasattr(value, "shape"):
+                    raise TypeError(_INHERITED_TENSOR.format(
+                        name=name, model=type(self).__name__, value=_keys.shown(value)))
                 _keys.check_static(name, value, lambda: _registered(state))
             values[name] = value
         return values

@@ -33,11 +33,26 @@ def _file(collector, loss) -> None:
     tensors = [t for _, t in sources]
     # A loss that no weight and no source is on the path to (a frozen model, the
     # loss of another output) has no graph: each gradient is then 0, as on JAX/TF.
-    grads = (torch.autograd.grad(loss, tensors, retain_graph=True, allow_unused=True)
-             if tensors and loss.requires_grad else [None] * len(tensors))
+    try:
+        grads = (torch.autograd.grad(loss, tensors, retain_graph=True, allow_unused=True)
+                 if tensors and loss.requires_grad else [None] * len(tensors))
+    except RuntimeError as error:
+        if "modified by an inplace operation" not in str(error):
+            raise
+        points = sorted({name.split("|", 1)[1].rsplit("|", 1)[0] for name, _ in sources})
+        raise RuntimeError(IN_PLACE.format(points=points)) from error
     collector.add_grads({name: (torch.zeros_like(t) if g is None else g).detach()
                          for (name, t), g in zip(sources, grads)})
     collector.grad_sources.clear()
+
+
+IN_PLACE = (
+    "callscope could not take the gradients of {points}: the backward pass needs a "
+    "value that a layer changed in place after the forward pass read it (a stateful "
+    "RNN's state, which Keras assigns in place on torch; stock Keras's torch `fit` "
+    "fails there alike). The step ran, but its gradients are unknown. Capture "
+    "gradients of this model on JAX or TensorFlow, or with `stateful=False` layers, "
+    "or capture outputs only (kinds=('output',)). Received: points {points}")
 
 
 class _Hooks:
