@@ -1362,11 +1362,12 @@ def test_intermediate_grads_keeps_the_state_its_call_updates():
 
 
 def test_intermediate_grads_keeps_the_losses_layers_add():
-    # On JAX, the scope that keeps the state dropped `add_loss`'s losses: the
-    # loss read without its regularization term.
+    # On JAX, the scope that keeps the state dropped `add_loss`'s losses (the
+    # loss read without its activity term), and a weight regularizer read None.
     keras.utils.set_random_seed(4)
     model = cs.Sequential([keras.Input((3,)), keras.layers.Dense(
-        4, name="d", activity_regularizer=keras.regularizers.L2(10.0))], name="m")
+        4, name="d", activity_regularizer=keras.regularizers.L2(10.0),
+        kernel_regularizer=keras.regularizers.L2(0.5))], name="m")
     model(X)
     target = keras.ops.convert_to_tensor(np.ones((5, 4), "float32"))
 
@@ -1377,7 +1378,7 @@ def test_intermediate_grads_keeps_the_losses_layers_add():
     result = cs.intermediate_grads(model, loss_fn, select="m/d")
     kernel, bias = model.get_weights()
     out = X @ kernel + bias
-    want = np.mean((out - 1) ** 2) + 10.0 * np.sum(out**2) / len(X)
+    want = np.mean((out - 1) ** 2) + 10.0 * np.sum(out**2) / len(X) + 0.5 * np.sum(kernel**2)
     np.testing.assert_allclose(numpy(keras.ops.stop_gradient(result.loss)), want, rtol=1e-5)
 
 

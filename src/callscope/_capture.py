@@ -574,7 +574,8 @@ def load_capture(path: str | os.PathLike) -> Capture:
     if os.path.exists(index_file):
         with open(index_file) as f:
             index = json.load(f)
-    elif os.path.isdir(path) and any(n.startswith("index.p") for n in os.listdir(path)):
+    elif os.path.isdir(path) and any(n.startswith("index.p") and n.endswith(".json")
+                                     for n in os.listdir(path)):
         index = _merged_index(path)  # a run that failed before its index was merged
     else:
         raise FileNotFoundError(

@@ -224,7 +224,8 @@ def collected_updates():
     wrote a tracer into the variable, and the model was broken for good
     (`UnexpectedTracerError`); `write_back` puts the values, computed, where
     they belong (keras 3.15.1: backend/common/stateless_scope.py, `state_mapping`
-    and `add_update`)."""
+    and `add_update`; backend/common/variables.py, `_value`, what `value` reads
+    outside any scope)."""
     from keras.src.backend.common.stateless_scope import get_stateless_scope
 
     outer = get_stateless_scope()
@@ -235,12 +236,20 @@ def collected_updates():
             super().add_update(update)
             updates[id(update[0])] = update
 
-    # (Collecting the losses `add_loss` adds, which `model.losses` reads inside:
-    # without, they were dropped, and a loss of `loss_fn` that adds them too.)
+        def get_current_value(self, variable):
+            # A variable no scope maps reads as itself: a weight regularizer reads
+            # its variable through this (layers/layer.py:1301-1305), and got None.
+            value = super().get_current_value(variable)
+            return variable._value if value is None and outer is None else value
+
+    # Collecting the losses `add_loss` adds, which `model.losses` reads inside
+    # (without, they were dropped, and a loss of `loss_fn` that adds them too);
+    # into the outer scope's list where it collects them too.
     scope = Collecting(collect_losses=True, initialize_variables=False)
     if outer is not None:
         scope.state_mapping = dict(outer.state_mapping)
-        scope.collect_losses, scope.losses = outer.collect_losses, outer.losses
+        if outer.collect_losses:
+            scope.losses = outer.losses
     with scope:
         yield updates
 

@@ -286,7 +286,9 @@ NOT_PASSED = (
     "`{layer}` (which declares it with `@cs.context_args`) is called without it: no "
     "enclosing model passes it (a stock Keras model, such as `clone_model`'s copy "
     "of a `cs.Sequential`; a layer called on its own; or a checkpoint, `keras.remat`, "
-    "recomputing it in a backward pass after the model's call returned), so it would "
+    "recomputing it in a backward pass after the model's call returned; or a "
+    "`cs.context` opened in an eager call, around a function traced there: your own "
+    "`jax.jit`, or on JAX an RNN's or a loop's body), so it would "
     "silently run with its default. Fix: run it inside a callscope model that "
     "registers the name (`model = cs.enable(model)` and "
     "`model.register_context_args({name!r})`), through `fit`/`train_on_batch` for a "
@@ -409,6 +411,18 @@ def _opened_inside_a_call() -> bool:
     carries it in."""
     return (_keras_compat.current_call_context() is not None
             or any(stepping(run.model) for run in _RUNS.get()))
+
+
+def set_by_a_call(name: str) -> bool:
+    """Was `name`'s value in effect set by a call's frame (an enclosing model's
+    call or step), not by a user's `cs.context`?"""
+    frame_ = _FRAME.get()
+    while frame_ is not None:
+        parent = frame_.parent
+        if parent is None or parent.values.get(name) is not frame_.values.get(name):
+            return frame_.owner is None
+        frame_ = parent
+    return False
 
 
 def _set_inside_a_call(frame_: Frame, name: str) -> bool:

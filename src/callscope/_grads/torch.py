@@ -49,10 +49,12 @@ def _file(collector, loss) -> None:
 IN_PLACE = (
     "callscope could not take the gradients of {points}: the backward pass needs a "
     "value that a layer changed in place after the forward pass read it (a stateful "
-    "RNN's state, which Keras assigns in place on torch; stock Keras's torch `fit` "
-    "fails there alike). The step ran, but its gradients are unknown. Capture "
-    "gradients of this model on JAX or TensorFlow, or with `stateful=False` layers, "
-    "or capture outputs only (kinds=('output',)). Received: points {points}")
+    "RNN's state, which Keras assigns in place on torch, as stock Keras's torch `fit` "
+    "fails there alike; or a layer's own in-place operation, `x += 1`). The call "
+    "stopped at this step, whose forward pass ran (a stateful layer's state moved). "
+    "Capture these gradients on JAX or TensorFlow, with `stateful=False` layers, or "
+    "without in-place operations; or capture outputs only (kinds=('output',)). "
+    "Received: points {points}")
 
 
 class _Hooks:
