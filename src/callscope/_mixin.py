@@ -196,8 +196,10 @@ class ContextMixin(Engine, _keras_compat.LossHook, *_JAX_HOOKS):
             if value is None:
                 continue
             if name in state.static:
-                if (name not in given and _keys.is_tensor_like(value)
-                        and hasattr(value, "shape") and _scope.set_by_a_call(name)):
+                # (The plain types first: dynamo cannot trace `is_tensor_like`.)
+                if (name not in given and type(value) not in _keys.STATIC_TYPES
+                        and _keys.is_tensor_like(value) and hasattr(value, "shape")
+                        and _scope.set_by_a_call(name)):
                     raise TypeError(_INHERITED_TENSOR.format(
                         name=name, model=type(self).__name__, value=_keys.shown(value)))
                 _keys.check_static(name, value, lambda: _registered(state))
