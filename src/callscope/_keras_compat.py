@@ -228,30 +228,34 @@ def collected_updates():
     outside any scope)."""
     from keras.src.backend.common.stateless_scope import get_stateless_scope
 
-    outer = get_stateless_scope()
-    updates = {}
-
-    class Collecting(keras.StatelessScope):
-        def add_update(self, update):
-            super().add_update(update)
-            updates[id(update[0])] = update
-
-        def get_current_value(self, variable):
-            # A variable no scope maps reads as itself: a weight regularizer reads
-            # its variable through this (layers/layer.py:1301-1305), and got None.
-            value = super().get_current_value(variable)
-            return variable._value if value is None and outer is None else value
-
-    # Collecting the losses `add_loss` adds, which `model.losses` reads inside
-    # (without, they were dropped, and a loss of `loss_fn` that adds them too);
-    # into the outer scope's list where it collects them too.
-    scope = Collecting(collect_losses=True, initialize_variables=False)
-    if outer is not None:
-        scope.state_mapping = dict(outer.state_mapping)
-        if outer.collect_losses:
-            scope.losses = outer.losses
+    scope = _CollectingScope(get_stateless_scope())
     with scope:
-        yield updates
+        yield scope.updates
+
+
+class _CollectingScope(keras.StatelessScope):
+    """`collected_updates`' scope: over `outer` (a step's, or None)."""
+
+    def __init__(self, outer):
+        # Collecting the losses `add_loss` adds, which `model.losses` reads inside
+        # (without, they were dropped, and a loss of `loss_fn` that adds them too);
+        # into the outer scope's list where it collects them too.
+        super().__init__(collect_losses=True, initialize_variables=False)
+        self.outer, self.updates = outer, {}
+        if outer is not None:
+            self.state_mapping = dict(outer.state_mapping)
+            if outer.collect_losses:
+                self.losses = outer.losses
+
+    def add_update(self, update):
+        super().add_update(update)
+        self.updates[id(update[0])] = update
+
+    def get_current_value(self, variable):
+        # A variable no scope maps reads as itself: a weight regularizer reads its
+        # variable through this (layers/layer.py:1301-1305), and got None.
+        value = super().get_current_value(variable)
+        return variable._value if value is None and self.outer is None else value
 
 
 def write_back(pairs) -> None:

@@ -103,6 +103,15 @@ def _based(collector):
         collector.base = None
 
 
+def _assigning(collector, fn, *args):
+    """`fn(*args)` run `_based`, with what it assigns collected, not written into the
+    variables (a tracer there breaks the model): its result, the variables it
+    assigned, and their values, traced (`write_back` them once computed)."""
+    with _based(collector), _keras_compat.collected_updates() as updates:
+        result = fn(*args)
+    return result, [v for v, _ in updates.values()], [value for _, value in updates.values()]
+
+
 def _split(result):
     return (result[0], result[1:]) if isinstance(result, tuple) else (result, ())
 
@@ -124,10 +133,8 @@ def value_and_grads(collector, loss_fn, args):
     updated = []  # the variables `loss_fn` assigns, in the order of the trace's values
 
     def traced(*args):
-        with _based(collector), _keras_compat.collected_updates() as updates:
-            result = loss_fn(*args)
-        updated[:] = [variable for variable, _ in updates.values()]
-        return result, collector.records, [v for _, v in updates.values()], placeholders
+        result, updated[:], values = _assigning(collector, loss_fn, *args)
+        return result, collector.records, values, placeholders
 
     previous = collector.on_grad_source
     collector.on_grad_source = mark
@@ -202,10 +209,10 @@ def _fallback(collector, loss_fn, args, sources):
     updated = []
 
     def forward(perturbations):
-        with _based(collector), _keras_compat.collected_updates() as updates:
-            loss, aux = _split(_perturbed(collector, loss_fn)(perturbations, *args))
-        updated[:] = [variable for variable, _ in updates.values()]
-        return loss, (aux, collector.records, [v for _, v in updates.values()])
+        result, updated[:], values = _assigning(
+            collector, _perturbed(collector, loss_fn), perturbations, *args)
+        loss, aux = _split(result)
+        return loss, (aux, collector.records, values)
 
     (loss, (aux, records, values)), grads = jax.value_and_grad(forward, has_aux=True)(zeros)
     _keras_compat.write_back(zip(updated, values))
