@@ -338,10 +338,28 @@ def test_a_keras_hub_generate_under_a_capture_or_patch_is_refused():
     model.compile(sampler="greedy")
     prompt = {"token_ids": np.array([[1, 2, 3, 0, 0, 0]] * 2, "int32"),
               "padding_mask": np.array([[1, 1, 1, 0, 0, 0]] * 2, bool)}
-    with pytest.raises(RuntimeError, match=r"A `cs.patch` of `lm` is open, and its layer "
-                       r"`token_embedding` ran in `call_with_cache` of `lm`, outside any "
-                       r"call of the model"):
-        with cs.patch(model, {"lm/gpt2_backbone/transformer_layer_0": keras.ops.zeros_like}):
-            model.generate(prompt, max_length=6, stop_token_ids=None)
+    opened = {"A `cs.patch`": lambda: cs.patch(
+                  model, {"lm/gpt2_backbone/transformer_layer_0": keras.ops.zeros_like}),
+              "A `cs.capture`": lambda: cs.capture(model, "lm/*")}
+
+    def refused():
+        for what, opens in opened.items():
+            with pytest.raises(RuntimeError, match=what + r" of `lm` is open, and "
+                               r"`lm.generate` runs the layers in a loop of its own "
+                               r"\(keras_hub's generation loop\), outside any call of the "
+                               r"model.* Received: `lm.generate` called inside the scope"):
+                with opens():
+                    model.generate(prompt, max_length=6, stop_token_ids=None)
+
+    refused()
     stock = model.generate(prompt, max_length=6, stop_token_ids=None)
     assert stock["token_ids"].shape == (2, 6)
+    # Its loop, compiled by that call and kept, never calls the layers again: the
+    # scopes recorded and patched nothing on JAX and TF, and only warned at exit.
+    refused()
+    again = model.generate(prompt, max_length=6, stop_token_ids=None)
+    np.testing.assert_array_equal(again["token_ids"], stock["token_ids"])
+    # A call of the model inside the scope is one.
+    with cs.capture(model, "lm/gpt2_backbone") as inside:
+        model.predict(prompt, verbose=0)
+    assert inside["lm/gpt2_backbone:output"].shape == (2, 6, 8)

@@ -1063,6 +1063,15 @@ def flatten_layers(model):
     return model._flatten_layers(include_self=True, recursive=True)
 
 
+def runs_its_own_loop(cls) -> bool:
+    """Whether `cls` is a keras_hub task that generates in a loop of its own:
+    `generate` calls `make_generate_function`, whose function (compiled, and kept
+    in `generate_function`) calls the layers outside any call of the model
+    (keras_hub 0.32.0: models/causal_lm.py, text_to_image.py, image_to_image.py)."""
+    return callable(getattr(cls, "generate", None)) and callable(
+        getattr(cls, "make_generate_function", None))
+
+
 def layers_held(model) -> dict:
     """`{id(layer): layer}` for `model` and every layer under it: the one answer to
     "is this layer (or model) part of that model?" (`flatten_layers` reaches each

@@ -74,6 +74,8 @@ class ContextMixin(Engine, _keras_compat.LossHook, *_JAX_HOOKS):
                 f"{', '.join(b.__name__ for b in cls.__bases__ if b is not ContextMixin)})`"
                 ", or use `cs.Model` / `cs.Sequential`. "
                 f"Received: bases={[b.__name__ for b in cls.__bases__]}")
+        if _keras_compat.runs_its_own_loop(cls):
+            cls.generate = _record.refusing_under_scopes(cls.generate)
 
     # ------------------------------------------------------------------
     # Per-model registry

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import inspect
 import threading
 from collections.abc import Iterator, Mapping
@@ -1182,9 +1183,7 @@ def _check_inside_a_call(layer) -> None:
     if _keras_compat.in_symbolic_scope() or any(  # (O(runs): per layer call)
             _scope.calling(run) for run in _scope.runs_here()):
         return
-    scopes = [("A `cs.capture`", c.model) for c in _scope.open_captures()] + [
-        ("A `cs.patch`", model) for model, _ in _scope.open_patches()]
-    for what, model in scopes:
+    for what, model in _open_scopes():
         if id(layer) not in _keras_compat.layers_held(model):
             continue
         frame = inspect.currentframe()
@@ -1204,6 +1203,48 @@ def _check_inside_a_call(layer) -> None:
                 raise RuntimeError(OUTSIDE_A_CALL.format(
                     what=what, model=model.name, layer=layer.name, method=method,
                     owner=owner.name))
+
+
+def _open_scopes() -> list:
+    """`(what, model)` of each capture and patch open here."""
+    return [("A `cs.capture`", c.model) for c in _scope.open_captures()] + [
+        ("A `cs.patch`", model) for model, _ in _scope.open_patches()]
+
+
+OWN_LOOP = (
+    "{what} of `{model}` is open, and `{owner}.{method}` runs the layers in a loop "
+    "of its own (keras_hub's generation loop), outside any call of the model, where "
+    "nothing is recorded or patched; once compiled, that loop never even calls them "
+    "again. Captures and patches apply to the model's calls: `fit`, `evaluate`, "
+    "`predict`, the `*_on_batch` methods and `model(x)`. Run `{method}` outside the "
+    "scope, or call the model inside it. Received: `{owner}.{method}` called inside "
+    "the scope")
+
+
+def refusing_under_scopes(method):
+    """`method` of a callscope model that runs the layers in a loop of its own
+    (keras_hub's `generate`), refused under a capture or patch of that model or
+    of one it holds. Its layers' wrappers refuse it while the loop traces
+    (`_check_inside_a_call`), but a loop compiled by an earlier call runs without
+    them: the scope recorded and patched nothing, and only warned as it exited."""
+    if getattr(method, "_cs_refuses_under_scopes", False):
+        return method
+
+    @functools.wraps(method)
+    def refusing(self, *args, **kwargs):
+        if _scope.records_open() and not _keras_compat.in_symbolic_scope() and not any(
+                _scope.calling(run) for run in _scope.runs_here()):
+            held = None
+            for what, model in _open_scopes():
+                held = held if held is not None else _keras_compat.layers_held(self)
+                if id(model) in held:
+                    raise RuntimeError(OWN_LOOP.format(
+                        what=what, model=model.name, owner=self.name,
+                        method=method.__name__))
+        return method(self, *args, **kwargs)
+
+    refusing._cs_refuses_under_scopes = True
+    return refusing
 
 
 def _is_method_of(owner, code) -> bool:

@@ -688,8 +688,8 @@ NO_CALL = (
     "{what} saw no call of `{model}`, so {effect}. It applies to the model's `fit`, "
     "`evaluate`, `predict`, `*_on_batch` and `model(x)` calls (and those of a callscope "
     "model that holds it) made in this thread, or in a context copied inside the scope; "
-    "a function compiled before the scope opened (your own `jax.jit` or `tf.function`, "
-    "keras_hub's `generate` run once already) runs its trace and never calls the model "
+    "a function compiled before the scope opened (your own `jax.jit` or `tf.function`) "
+    "runs its trace and never calls the model "
     "again. Call the model inside the scope, in this thread. Received: 0 calls of "
     "`{model}`")
 
