@@ -449,10 +449,11 @@ def current(name: str, default: Any = None) -> Any:
 
     Works in a layer's `call`, in `train_step`/`test_step`/`predict_step`
     (including the stateless JAX style) and in callbacks. Inside a compiled step a
-    static value is a plain Python value; a dynamic one is a tensor. Elsewhere (a
-    direct `model(x)`, a callback) a dynamic value is a number or numpy array,
-    while a layer that declares the name receives it as a tensor:
-    `keras.ops.convert_to_tensor` it where a tensor is needed.
+    static value is a plain Python value; a dynamic one is a tensor (on TF and
+    torch, the variable that holds it). Elsewhere (a direct `model(x)`, a
+    callback) a dynamic value is what was set (a number, a numpy array, or a
+    tensor passed as it is), while a layer that declares the name receives it as
+    a tensor: `keras.ops.convert_to_tensor` it where a tensor is needed.
     Inside a compiled function that is not keyed on `name`, a value set outside
     raises instead of being frozen into the function.
 
