@@ -188,6 +188,28 @@ def test_inspect_bad_paths_and_files_are_one_line_errors(saved, tmp_path):
     _one_line_error(proc, 1, "words.npy")
     assert "Exception encountered" not in proc.stderr, proc.stderr
     _one_line_error(run_here("demo", "--out", data), 1, "is a file")
+    # A model file given as the data was "holds arrays ['metadata.json', ...], but
+    # none is named x"; a subclassed model, whose class the command cannot import,
+    # "is not a Keras model file".
+    _one_line_error(run_here("inspect", path, "--data", path), 1,
+                    "is a Keras model file (.keras), not an .npz of arrays")
+    registered = keras.saving.register_keras_serializable(package="callscope_cli_test")
+
+    class Subclassed(keras.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.dense = keras.layers.Dense(2)
+
+        def call(self, x):
+            return self.dense(x)
+
+    sub = registered(Subclassed)(name="sub")
+    sub(x)
+    sub.save(tmp_path / "sub.keras")
+    del keras.saving.get_custom_objects()["callscope_cli_test>Subclassed"]  # (not importable)
+    _one_line_error(run_here("inspect", tmp_path / "sub.keras", "--data", data), 1,
+                    "holds a custom object `Subclassed` whose code this command cannot "
+                    "import", "inspect it in your own script")
     from callscope import cli
 
     keras_error = ("Exception encountered when calling Functional.call().\n\n"

@@ -130,6 +130,14 @@ def _load_model(path, unsafe):
             ) from None
         raise InputError(f"{path} is not a loadable Keras model: {_first_line(text)}") from None
     except Exception as error:  # zip, h5 and json errors all mean "not a .keras file"
+        missing = re.search(r"Could not locate (?:class|function) '([^']+)'", str(error))
+        if missing:  # (a subclassed model, or a custom layer: their code is not here)
+            raise InputError(
+                f"{path} holds a custom object `{missing.group(1)}` whose code this "
+                "command cannot import (a subclassed model or a custom layer, registered "
+                "where it was saved); inspect it in your own script, where that code is "
+                "imported: `cs.capture(cs.enable(keras.saving.load_model(path)))` takes "
+                "the same selections and statistics") from None
         raise InputError(
             f"{path} is not a Keras model file (.keras): {_first_line(str(error))}"
         ) from None
@@ -222,6 +230,12 @@ def _load_data(path, names):
 
 
 def _pick_arrays(npz, path, names):
+    members = npz.zip.namelist()
+    if members and not any(member.endswith(".npy") for member in members):
+        what = ("a Keras model file (.keras)" if "config.json" in members
+                else "a zip archive without arrays")
+        raise InputError(f"{path} is {what}, not an .npz of arrays (it holds "
+                         f"{members[:4]}); save the data with np.save or np.savez")
     held = list(npz.files)
     if not held:
         raise InputError(f"{path} holds no arrays")
