@@ -1,6 +1,8 @@
 """Edges of d loss / d point, alike on every backend: empty selections, steps that
 call `compute_loss` twice, sources that are one tensor, and one run of `loss_fn`."""
 
+import contextlib
+
 import keras
 import numpy as np
 import pytest
@@ -1380,6 +1382,42 @@ def test_intermediate_grads_keeps_the_losses_layers_add():
     out = X @ kernel + bias
     want = np.mean((out - 1) ** 2) + 10.0 * np.sum(out**2) / len(X) + 0.5 * np.sum(kernel**2)
     np.testing.assert_allclose(numpy(keras.ops.stop_gradient(result.loss)), want, rtol=1e-5)
+
+
+@pytest.mark.parametrize("outer", ["none", "collecting", "not collecting"])
+def test_intermediate_grads_leaves_the_losses_where_a_direct_call_does(outer):
+    # On JAX, inside a scope that collects losses (a stateless step's), the
+    # activity loss reached its list as a tracer of intermediate_grads' trace:
+    # reading it raised JAX's UnexpectedTracerError. Outside any scope,
+    # `model.losses` after the call was empty.
+    keras.utils.set_random_seed(4)
+    model = cs.Sequential([keras.Input((3,)), keras.layers.Dense(
+        4, name="d", activity_regularizer=keras.regularizers.L2(10.0))], name="m")
+    model(X)
+    kernel, bias = model.get_weights()
+    activity = 10.0 * np.sum((X @ kernel + bias) ** 2) / len(X)
+    mapping = [(v, v.value) for v in model.weights]
+
+    def opened():
+        if outer == "none":
+            return contextlib.nullcontext()
+        return keras.StatelessScope(state_mapping=mapping,
+                                    collect_losses=outer == "collecting")
+
+    def loss_fn():
+        return keras.ops.mean(model(X) ** 2)
+
+    for run in (lambda: model(X),
+                lambda: cs.intermediate_grads(model, loss_fn, select="m/d")):
+        with opened() as scope:
+            model(X)  # (an earlier call's loss, which the next call clears)
+            run()
+            losses = [float(numpy(loss)) for loss in model.losses]
+            listed = [float(numpy(loss)) for loss in scope.losses] if scope else None
+        want = [] if outer == "not collecting" else [activity]
+        np.testing.assert_allclose(losses, want, rtol=1e-5)
+        if outer == "collecting":
+            np.testing.assert_allclose(listed, [activity], rtol=1e-5)
 
 
 @pytest.mark.skipif(BACKEND != "torch", reason="Keras assigns a state in place on torch")

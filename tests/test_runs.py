@@ -1351,3 +1351,79 @@ def test_a_gate_whose_switch_raises_is_not_left_held():
     assert not gate._lock.locked()  # else the paused call's `close` waits forever
     gate.close()
     assert not gate.is_open_for()
+
+
+# What a call made while making a batch for a `fit` of the same model does, by
+# backend: "refused", or "runs" (it would wait for nothing). Before, each
+# "refused" waited for ever (the fit's step held what the call waits for: its
+# turn, or on TF the dynamic values while the step pulls its batch).
+_FEEDING = {
+    "jax": {("predict", "pydataset"): "refused", ("evaluate", "pydataset"): "refused",
+            ("call", "pydataset"): "refused"},
+    "tensorflow": {(how, source): "refused" for how in ("predict", "evaluate", "call")
+                   for source in ("pydataset", "generator")},
+    "torch": {("predict", "pydataset"): "runs", ("evaluate", "pydataset"): "refused",
+              ("call", "pydataset"): "refused", ("predict", "generator"): "runs",
+              ("evaluate", "generator"): "runs", ("call", "generator"): "runs"},
+}
+
+
+@pytest.mark.parametrize(("how", "source"), sorted(_FEEDING[BACKEND]))
+def test_a_call_made_by_the_input_pipeline_of_its_own_fit_is_refused_not_hung(how, source):
+    # (A JAX generator runs in fit's own thread, between Keras's purge of the
+    # weights and the step: stock Keras fails there alike, not callscope's.)
+    model = _scaled()
+    x = np.concatenate([X, X])
+    made = []
+
+    def use(batch):
+        if how == "predict":
+            made.append((batch, model.predict(batch, temperature=0.5, verbose=0)))
+        elif how == "evaluate":
+            made.append((batch, model.evaluate(batch, batch[:, :2], verbose=0)))
+        else:
+            made.append((batch, numpy(model(batch))))
+
+    class Batches(keras.utils.PyDataset):
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            batch = x[i * 4:(i + 1) * 4]
+            use(batch)
+            return batch, batch[:, :2]
+
+    def generator():
+        for i in range(4):
+            batch = x[i * 4:(i + 1) * 4]
+            use(batch)
+            yield batch, batch[:, :2]
+
+    data = (Batches(workers=2, use_multiprocessing=False) if source == "pydataset"
+            else generator())
+    outcome = []
+
+    def fit():
+        try:
+            model.fit(data, temperature=2.0, steps_per_epoch=4, shuffle=False, verbose=0)
+            outcome.append("runs")
+        except Exception as error:  # noqa: BLE001 - asserted below
+            outcome.append(error)
+
+    _in_threads(fit)
+    if _FEEDING[BACKEND][how, source] == "runs":
+        assert outcome == ["runs"] and len(made) >= 4  # (a pipeline may read ahead)
+        if how == "predict":  # each with its own value, never the fit's 2.0
+            for batch, out in made:
+                np.testing.assert_allclose(out, _dense(model, batch) * 0.5, rtol=1e-5)
+    else:
+        method = {"call": "__call__"}.get(how, how)
+        assert re.search(rf"`t.{method}` was called while making a batch for an input "
+                         r"pipeline \(a `PyDataset` worker, or the thread tf.data runs a "
+                         r"generator in\), while a call of `t` runs in another thread: "
+                         r".* so this call would wait for ever if that call is the one "
+                         r"this pipeline feeds.* Received: `t.", str(outcome[0]))
+    # Nothing held or left behind: the model runs, in this thread and another.
+    np.testing.assert_allclose(model.predict(X, temperature=3.0, verbose=0),
+                               _dense(model, X) * 3.0, rtol=1e-5)
+    _in_threads(lambda: model.evaluate(X, Y, verbose=0))

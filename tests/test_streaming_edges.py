@@ -1,6 +1,7 @@
 """Streamed captures (`to=`) at their edges: what a capture reads is what its own
 call wrote, or a clear error. Values against a stock Keras sub-model or numpy."""
 
+import asyncio
 import contextlib
 import contextvars
 import errno
@@ -121,6 +122,33 @@ def test_a_call_in_a_copied_context_is_part_of_the_capture_it_started_in(tmp_pat
     with pytest.raises(RuntimeError, match="after that scope closed"):
         context.run(lambda: model.predict(x, verbose=0))
     np.testing.assert_allclose(model.predict(x, verbose=0), _stock(model, "d2", x), rtol=1e-5)
+
+
+def test_an_asyncio_task_made_inside_a_capture_that_calls_after_it_closed_is_told_so():
+    # The error spoke of `contextvars.copy_context()` only, which the user never
+    # called: asyncio copies the context into every task it makes.
+    model = _model()
+
+    async def main():
+        with cs.capture(model, "m/d1") as cap:
+            inside = asyncio.ensure_future(asyncio.sleep(0))
+            late = asyncio.ensure_future(_predict_later(model))
+            await inside
+            model.predict(X, verbose=0)
+        with pytest.raises(RuntimeError, match=r"copied inside a cs.capture scope "
+                           r"\(`contextvars.copy_context\(\)`, or an asyncio task made "
+                           r"there, which copies the context it is made in\) after that "
+                           r"scope closed.*await the task inside it"):
+            await late
+        return cap
+
+    cap = asyncio.run(main())
+    np.testing.assert_allclose(cap["m/d1:output"], _stock(model, "d1", X), rtol=1e-5)
+
+
+async def _predict_later(model):
+    await asyncio.sleep(0.05)
+    return model.predict(X, verbose=0)
 
 
 class _Full(io.RawIOBase):

@@ -134,10 +134,12 @@ class Capture(Mapping):
             if self._closed and not nested:
                 raise RuntimeError(
                     f"A `{method}` call of `{self.model.name}` started in a context "
-                    "copied inside a cs.capture scope (`contextvars.copy_context()`) "
+                    "copied inside a cs.capture scope (`contextvars.copy_context()`, or "
+                    "an asyncio task made there, which copies the context it is made in) "
                     "after that scope closed: its values would reach a capture that is "
                     "complete (and, with `to=`, whose index is written). Make the call "
-                    "before the scope closes, or open a capture in that thread. "
+                    "before the scope closes (await the task inside it), or open a "
+                    "capture in that thread or task. "
                     f"Received: method={method!r}")
             directory = (None if self._dir is None
                          else os.path.join(self._dir, f"call_{len(self.calls):03d}"))

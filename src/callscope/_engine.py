@@ -49,6 +49,7 @@ from callscope._run import Gate, RowOffset, Run, SharedState, with_gate_callback
 DEFAULT_CACHE_SIZE = 8
 _KINDS = _keys.KINDS
 _JAX = keras.backend.backend() == "jax"
+_TF = keras.backend.backend() == "tensorflow"
 _WITH_METRICS = ("fit", "evaluate", "train_on_batch", "test_on_batch")
 
 
@@ -85,6 +86,9 @@ class _State:
         # turn passes to other threads around every callback.
         self.shared = SharedState(model, sync=_JAX, metrics=True)
         self.gate = Gate(self.shared)
+        # thread -> what each call of the model in progress there keeps while it
+        # reads its batches (`check_not_feeding`)
+        self.reading: dict[int, list[frozenset]] = {}
 
     def gates(self, method: str) -> tuple:
         if _JAX or method in _WITH_METRICS:
@@ -94,6 +98,46 @@ class _State:
     @property
     def names(self) -> set[str]:
         return set(self.static) | set(self.dynamic)
+
+
+FEEDS_A_CALL = (
+    "`{model}.{method}` was called while making a batch for an input pipeline (a "
+    "`PyDataset` worker, or the thread tf.data runs a generator in), while a call of "
+    "`{model}` runs in another thread: {why}, so this call would wait for ever if "
+    "that call is the one this pipeline feeds. Compute such values before the call, or with a copy "
+    "of the model (`keras.models.clone_model` and `set_weights`). Received: "
+    "`{model}.{method}` called in thread `{thread}`")
+
+
+def check_not_feeding(model, method: str, takes: frozenset) -> None:
+    """Refuses a call of `model` made by the input pipeline of a call of it in
+    another thread, where it would wait for that call for ever, for what `takes`
+    names: its turn (a JAX call, or a call with metrics, keeps it while it reads
+    its batches) or, on TF, the dynamic values (fit's and evaluate's steps hold
+    them while they pull their batch). Every such call is refused, not only one
+    that finds them taken: a pipeline reads ahead, and would hang or pass as it
+    happened to run."""
+    me = threading.get_ident()
+    kept = {what for thread, calls in list(model._cs.reading.items()) if thread != me
+            for keeps in calls for what in keeps} & takes
+    if kept and _keras_compat.feeds_an_input_pipeline():
+        why = ("on JAX, calls of one model take turns (Keras's loop keeps the weights "
+               "out of the variables while it runs), and that call keeps its turn" if _JAX
+               else "calls that update the model's metrics, and direct calls, take turns, "
+               "and that call keeps its turn" if "turn" in kept else
+               "on TensorFlow, that call's steps read their batch while they hold the "
+               "model's dynamic values (and the values of patches), which this call "
+               "sets too")
+        raise RuntimeError(FEEDS_A_CALL.format(
+            model=model.name, method=method, why=why,
+            thread=threading.current_thread().name))
+
+
+def _ended_here(reading: dict, thread: int) -> None:
+    calls = reading[thread]
+    calls.pop()
+    if not calls:
+        del reading[thread]
 
 
 class Engine(CaptureMixin):
@@ -373,7 +417,17 @@ class Engine(CaptureMixin):
 
     def _cs_call_keras(self, method, run, frame, args, kwargs):
         state = self._cs
+        takes = frozenset(("turn",) * bool(state.gates(method))
+                          + ("values",) * (_TF and bool(run.dynamic or run.has_inputs)))
+        check_not_feeding(self, method, takes)
+        me = threading.get_ident()
         with contextlib.ExitStack() as stack:
+            # A call that reads batches from a pipeline keeps its turn all along;
+            # on TF, fit's and evaluate's steps read theirs holding the values.
+            keeps = takes - {"values"} if method == "predict" else takes
+            state.reading.setdefault(me, []).append(
+                keeps if method in ("fit", "evaluate", "predict") else frozenset())
+            stack.callback(_ended_here, state.reading, me)
             for gate in state.gates(method):
                 stack.enter_context(gate.held())
             snapshot = _keras_compat.snapshot_variable_values(self, method)  # under the gate

@@ -18,7 +18,9 @@ import contextlib
 import functools
 import inspect
 import itertools
+import sys
 import threading
+from typing import Any, NamedTuple
 
 import keras
 from keras.src.backend.common import global_state as _global_state
@@ -219,18 +221,20 @@ def state_mapping(model, state) -> list:
 def collected_updates():
     """JAX: a `keras.StatelessScope` over the one in effect (its values kept), that
     collects what layers assign (a BatchNormalization's moving statistics under
-    `training=True`, a stateful RNN's state, a seed generator's): yields
-    `{id: (variable, value)}`, filled as they assign. Inside a trace, an assignment
-    wrote a tracer into the variable, and the model was broken for good
-    (`UnexpectedTracerError`); `write_back` puts the values, computed, where
-    they belong (keras 3.15.1: backend/common/stateless_scope.py, `state_mapping`
-    and `add_update`; backend/common/variables.py, `_value`, what `value` reads
-    outside any scope)."""
+    `training=True`, a stateful RNN's state, a seed generator's) and the losses
+    they add: yields the scope, whose `assigned()` lists them. Inside a trace, an
+    assignment wrote a tracer into the variable, and the model was broken for
+    good (`UnexpectedTracerError`); a loss added to an outer scope's list was a
+    tracer there. `write_back` puts the values, computed, where a direct call
+    puts them (keras 3.15.1: backend/common/stateless_scope.py, `state_mapping`,
+    `add_update`, `losses`; backend/common/variables.py, `_value`, what `value`
+    reads outside any scope; layers/layer.py:1276-1283 and 1323-1336, how a
+    layer adds its losses, and clears them at each call, by `_loss_ids`)."""
     from keras.src.backend.common.stateless_scope import get_stateless_scope
 
     scope = _CollectingScope(get_stateless_scope())
     with scope:
-        yield scope.updates
+        yield scope
 
 
 class _CollectingScope(keras.StatelessScope):
@@ -238,18 +242,23 @@ class _CollectingScope(keras.StatelessScope):
 
     def __init__(self, outer):
         # Collecting the losses `add_loss` adds, which `model.losses` reads inside
-        # (without, they were dropped, and a loss of `loss_fn` that adds them too);
-        # into the outer scope's list where it collects them too.
+        # (without, they were dropped, and a loss of `loss_fn` that adds them too),
+        # over a copy of the outer scope's where it collects them too.
         super().__init__(collect_losses=True, initialize_variables=False)
-        self.outer, self.updates = outer, {}
+        self.outer, self.updates, self.added = outer, {}, []
         if outer is not None:
             self.state_mapping = dict(outer.state_mapping)
             if outer.collect_losses:
-                self.losses = outer.losses
+                self.losses = list(outer.losses)
 
     def add_update(self, update):
         super().add_update(update)
         self.updates[id(update[0])] = update
+
+    def add_loss(self, loss):
+        super().add_loss(loss)
+        layer = sys._getframe(1).f_locals.get("self")  # (`Layer.add_loss` calls this)
+        self.added.append((layer if isinstance(layer, keras.layers.Layer) else None, loss))
 
     def get_current_value(self, variable):
         # A variable no scope maps reads as itself: a weight regularizer reads its
@@ -257,18 +266,54 @@ class _CollectingScope(keras.StatelessScope):
         value = super().get_current_value(variable)
         return variable._value if value is None and self.outer is None else value
 
+    def assigned(self) -> list:
+        """`(target, traced value)`: each variable assigned, then each loss added
+        that the call kept (a later call of its layer clears the earlier ones)."""
+        kept = {id(loss) for loss in self.losses}
+        return [*self.updates.values(), *((_AddedLoss(self, layer, id(loss)), loss)
+                                          for layer, loss in self.added if id(loss) in kept)]
+
+
+class _AddedLoss(NamedTuple):
+    scope: _CollectingScope
+    layer: Any
+    traced: int  # the id of the traced loss, in the layer's `_loss_ids`
+
 
 def write_back(pairs) -> None:
-    """`(variable, value)` pairs collected by `collected_updates`, computed: to the
-    scope in effect (a step's), or into the variables."""
+    """`(target, value)` pairs of `_CollectingScope.assigned`, computed: a variable's
+    value to the scope in effect (a step's), or into the variable; a loss into
+    the scope in effect where it collects losses (the losses this model's call
+    cleared out of it), or to its layer outside any scope, as a direct call adds
+    it (in a scope that does not collect them, it is dropped, as there)."""
     from keras.src.backend.common.stateless_scope import get_stateless_scope
 
     outer = get_stateless_scope()
+    pairs = list(pairs)
+    losses = [(target, value) for target, value in pairs if isinstance(target, _AddedLoss)]
     for variable, value in pairs:
+        if isinstance(variable, _AddedLoss):
+            continue
         if outer is not None:
             outer.add_update((variable, value))
         else:
             variable.assign(value)
+    if not losses:
+        return
+    if outer is not None and outer.collect_losses:
+        kept = {id(loss) for loss in losses[0][0].scope.losses}
+        outer.losses[:] = [loss for loss in outer.losses if id(loss) in kept]
+    for added, value in losses:
+        if added.layer is None:
+            continue
+        added.layer._loss_ids.discard(added.traced)
+        if outer is None:
+            added.layer._losses.append(value)
+        elif outer.collect_losses:
+            outer.add_loss(value)
+            added.layer._loss_ids.add(id(value))
+    if outer is not None and outer.collect_losses:  # (a loss no layer added)
+        outer.losses.extend(v for added, v in losses if added.layer is None)
 
 
 def stateless_value(variable):
@@ -1061,6 +1106,32 @@ def child_layers(layer):
 def flatten_layers(model):
     """`model` and every layer under it (keras 3.15.1: layers/layer.py:1708)."""
     return model._flatten_layers(include_self=True, recursive=True)
+
+
+# Where a thread makes batches for a Keras input pipeline, not in the call's own
+# thread: a `PyDataset` worker (keras 3.15.1: trainers/data_adapters/
+# py_dataset_adapter.py, `get_index`), or the thread tf.data runs a Python
+# generator in (tensorflow 2.21: python/data/ops/from_generator_op.py,
+# `generator_py_func`), which is how Keras's TF adapters read generators and
+# PyDatasets.
+_PIPELINE_CODE = {("get_index", "trainers/data_adapters/py_dataset_adapter.py"),
+                  ("generator_py_func", "data/ops/from_generator_op.py")}
+_PIPELINE_DEPTH = 64  # frames looked at (a user's batch code, a model's call above)
+
+
+def feeds_an_input_pipeline() -> bool:
+    """Whether this thread is making a batch for an input pipeline (a `PyDataset`
+    worker, tf.data's generator thread)."""
+    frame = inspect.currentframe()
+    for _ in range(_PIPELINE_DEPTH):
+        frame = frame.f_back if frame is not None else None
+        if frame is None:
+            return False
+        code = frame.f_code
+        if any(code.co_name == name and code.co_filename.replace("\\", "/").endswith(path)
+               for name, path in _PIPELINE_CODE):
+            return True
+    return False
 
 
 def runs_its_own_loop(cls) -> bool:

@@ -18,7 +18,7 @@ import keras
 import numpy as np
 
 from callscope import _backend, _grad, _keras_compat, _keys, _record, _scope
-from callscope._engine import Engine, _State
+from callscope._engine import Engine, _State, check_not_feeding
 
 _JAX_HOOKS = ((_keras_compat.AuxHook, _keras_compat.SyncHook)
               if keras.backend.backend() == "jax" else ())
@@ -238,6 +238,8 @@ class ContextMixin(Engine, _keras_compat.LossHook, *_JAX_HOOKS):
         eager = not symbolic and not tracing
         in_step = eager and (_scope.stepping(self) or _backend.in_replica_thread())
         gate = state.gate if eager and not in_step else None
+        if gate is not None and state.reading:
+            check_not_feeding(self, "__call__", frozenset(("turn",)))
         token = gate.enter() if gate is not None else None
         try:
             if not state.names and not isinstance(self, _STRICT_KWARGS_CLASSES):

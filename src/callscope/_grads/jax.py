@@ -104,12 +104,14 @@ def _based(collector):
 
 
 def _assigning(collector, fn, *args):
-    """`fn(*args)` run `_based`, with what it assigns collected, not written into the
-    variables (a tracer there breaks the model): its result, the variables it
-    assigned, and their values, traced (`write_back` them once computed)."""
-    with _based(collector), _keras_compat.collected_updates() as updates:
+    """`fn(*args)` run `_based`, with what it assigns and the losses its layers add
+    collected, not written into the variables or an outer scope (a tracer there
+    breaks the model): its result, what it assigned, and their values, traced
+    (`write_back` them once computed)."""
+    with _based(collector), _keras_compat.collected_updates() as scope:
         result = fn(*args)
-    return result, [v for v, _ in updates.values()], [value for _, value in updates.values()]
+    assigned = scope.assigned()
+    return result, [target for target, _ in assigned], [value for _, value in assigned]
 
 
 def _split(result):
