@@ -606,6 +606,36 @@ def test_user_stateless_jax_step_with_collecting_and_emit():
                                atol=1e-6)
 
 
+def test_user_stateless_jax_step_without_collecting_says_what_to_do():
+    # JAX's own error named no point and never callscope.
+    if BACKEND != "jax":
+        pytest.skip("a stateless train_step with jax.value_and_grad is the JAX style")
+    import jax
+
+    class Custom(Net):
+        def train_step(self, state, data):
+            tv, ntv, ov, mv = state
+            x, y = data
+
+            def loss_fn(tv):
+                y_pred, _ = self.stateless_call(tv, ntv, x, training=True)
+                return self.compute_loss(x, y, y_pred)
+
+            loss, grads = jax.value_and_grad(loss_fn)(tv)
+            tv, ov = self.optimizer.stateless_apply(ov, grads, tv)
+            return {"my_loss": loss}, (tv, ntv, ov, mv)
+
+    net = Custom()
+    net.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+    net(X[:1])
+    with pytest.raises(jax.errors.UnexpectedTracerError) as raised:
+        with cs.capture(net):
+            net.fit(X, Y, batch_size=5, epochs=1, verbose=0, shuffle=False)
+    assert any("Wrap the forward in `with cs.collecting() as sown:`" in note
+               for note in getattr(raised.value, "__notes__", ())), raised.value
+    net.fit(X, Y, batch_size=5, epochs=1, verbose=0)  # (nothing left behind)
+
+
 def test_load_capture_explains_a_directory_without_a_capture(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"holds no capture index .*Received: path="):
         cs.load_capture(tmp_path)

@@ -127,6 +127,27 @@ def marked(key: tuple, mark: str) -> tuple:
     return next((item[1] for item in key if item[0] == mark), ())
 
 
+ESCAPED_TRACER = (
+    "callscope: a capture is open, and a value it recorded may have been made inside a "
+    "JAX transformation in your own step (a stateless `train_step` that calls "
+    "`jax.value_and_grad` or `jax.grad` around the model): such a value can leave it "
+    "only through its outputs. Wrap the forward in `with cs.collecting() as sown:`, "
+    "return `sown.values` in the aux output, and call `cs.emit(sown_values)` after the "
+    "gradient (README: \"Your own stateless JAX `train_step`\").")
+
+
+@contextlib.contextmanager
+def _noting_escaped_tracers(run):
+    """JAX's error for a value that left its transformation, with what to do where a
+    capture recorded it (it names no point, and never callscope)."""
+    try:
+        yield
+    except Exception as error:
+        if _JAX and run is not None and run.calls and _keras_compat.is_escaped_tracer(error):
+            error.add_note(ESCAPED_TRACER)
+        raise
+
+
 class RunFunction:
     """Wraps a made `*_function`: puts the run's dynamic values in, and takes its
     captured values out before Keras's loop sees them.
@@ -159,7 +180,7 @@ class RunFunction:
             function = self._checked
         if run is None or not (run.dynamic or run.replicated or run.offset
                                or (inputs and not _JAX)):  # common case
-            with _scope.steps_of(model):
+            with _scope.steps_of(model), _noting_escaped_tracers(run):
                 result = _steps.pop_sown(self.kind, function(*args, **kwargs), run)
             return _steps.gathered_outputs(self.kind, result)
         dynamic = run.dynamic
@@ -182,5 +203,6 @@ class RunFunction:
                 if inputs:
                     _inputs.assign(model, run, self.kind, inputs)
             stack.enter_context(_scope.steps_of(model))
+            stack.enter_context(_noting_escaped_tracers(run))
             result = function(*args, **kwargs)
         return _steps.gathered_outputs(self.kind, _steps.pop_sown(self.kind, result, run))

@@ -1134,6 +1134,14 @@ def feeds_an_input_pipeline() -> bool:
     return False
 
 
+def is_escaped_tracer(error) -> bool:
+    """JAX's error for a value that left the transformation it was made in (jax
+    0.10.2: `jax.errors.UnexpectedTracerError`)."""
+    import jax
+
+    return isinstance(error, getattr(jax.errors, "UnexpectedTracerError", ()))
+
+
 def runs_its_own_loop(cls) -> bool:
     """Whether `cls` is a keras_hub task that generates in a loop of its own:
     `generate` calls `make_generate_function`, whose function (compiled, and kept
