@@ -210,6 +210,21 @@ def test_inspect_bad_paths_and_files_are_one_line_errors(saved, tmp_path):
     _one_line_error(run_here("inspect", tmp_path / "sub.keras", "--data", data), 1,
                     "holds a custom object `Subclassed` whose code this command cannot "
                     "import", "inspect it in your own script")
+    # A stock model compiled with a custom loss inspects (it is loaded uncompiled).
+    stock = keras.Sequential([keras.Input((x.shape[1],)), keras.layers.Dense(2, name="d")],
+                             name="stock")
+
+    def my_loss(y, p):
+        return keras.ops.mean(y - p)
+
+    stock.compile(optimizer="sgd", loss=registered(my_loss))
+    stock.save(tmp_path / "custom_loss.keras")
+    del keras.saving.get_custom_objects()["callscope_cli_test>my_loss"]
+    proc = run_here("inspect", tmp_path / "custom_loss.keras", "--data", data, "--json")
+    assert proc.returncode == 0, proc.stderr
+    kernel, bias = stock.get_weights()
+    np.testing.assert_allclose(json.loads(proc.stdout)["stock/d:output/mean"],
+                               np.mean(np.load(data) @ kernel + bias), rtol=1e-5)
     from callscope import cli
 
     keras_error = ("Exception encountered when calling Functional.call().\n\n"

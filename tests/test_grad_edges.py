@@ -1418,6 +1418,23 @@ def test_intermediate_grads_leaves_the_losses_where_a_direct_call_does(outer):
         np.testing.assert_allclose(losses, want, rtol=1e-5)
         if outer == "collecting":
             np.testing.assert_allclose(listed, [activity], rtol=1e-5)
+    if outer != "collecting":
+        return
+    # A loss the caller adds to the scope itself is no layer's, even where the
+    # caller's `self` is the model (it was credited to the model: its losses read
+    # [3.0, activity], 9.18 where a direct run reads 6.18).
+    for run in (lambda fn: fn(), lambda fn: cs.intermediate_grads(model, fn, select="m/d")):
+        with opened() as scope:
+            def own_loss(self=model):
+                out = self(X)
+                scope.add_loss(keras.ops.convert_to_tensor(3.0))
+                return keras.ops.mean(out ** 2)
+
+            run(own_loss)
+            losses = [float(numpy(loss)) for loss in model.losses]
+            listed = [float(numpy(loss)) for loss in scope.losses]
+        np.testing.assert_allclose(losses, [activity], rtol=1e-5)
+        np.testing.assert_allclose(sorted(listed), sorted([activity, 3.0]), rtol=1e-5)
 
 
 @pytest.mark.skipif(BACKEND != "torch", reason="Keras assigns a state in place on torch")

@@ -1418,12 +1418,64 @@ def test_a_call_made_by_the_input_pipeline_of_its_own_fit_is_refused_not_hung(ho
                 np.testing.assert_allclose(out, _dense(model, batch) * 0.5, rtol=1e-5)
     else:
         method = {"call": "__call__"}.get(how, how)
-        assert re.search(rf"`t.{method}` was called while making a batch for an input "
-                         r"pipeline \(a `PyDataset` worker, or the thread tf.data runs a "
-                         r"generator in\), while a call of `t` runs in another thread: "
-                         r".* so this call would wait for ever if that call is the one "
-                         r"this pipeline feeds.* Received: `t.", str(outcome[0]))
+        source = "`Batches`" if source == "pydataset" else "generator `generator`"
+        assert re.search(rf"`t.{method}` was called while making a batch of the {source}, "
+                         r"which a `fit` of `t` in another thread reads: .* so this call "
+                         r"would wait for ever for that one, and it for this batch.* "
+                         r"Received: `t.", str(outcome[0])), outcome[0]
     # Nothing held or left behind: the model runs, in this thread and another.
     np.testing.assert_allclose(model.predict(X, temperature=3.0, verbose=0),
                                _dense(model, X) * 3.0, rtol=1e-5)
     _in_threads(lambda: model.evaluate(X, Y, verbose=0))
+
+
+def test_a_pipeline_feeding_another_models_fit_waits_its_turn_as_before():
+    # The refusal above took any pipeline for the one feeding the running call: a
+    # student's PyDataset computing targets with a teacher that another thread
+    # fits was refused on every backend (it waits for its turn, and runs).
+    teacher, student = _scaled(), _seq("student")
+    x = np.concatenate([X] * 4)
+    made = []
+
+    def deep(batch, depth):  # (a pipeline deep in the user's code: no frame limit)
+        return deep(batch, depth - 1) if depth else numpy(teacher(batch))
+
+    class Targets(keras.utils.PyDataset):
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, i):
+            batch = x[i * 4:(i + 1) * 4]
+            made.append((batch, deep(batch, 80)))
+            return batch, made[-1][1]
+
+    class Plain(keras.utils.PyDataset):
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, i):
+            return x[i * 4:(i + 1) * 4], x[i * 4:(i + 1) * 4, :2]
+
+    _in_threads(lambda: teacher.fit(Plain(workers=2, use_multiprocessing=False),
+                                    temperature=2.0, epochs=3, verbose=0),
+                lambda: student.fit(Targets(workers=2, use_multiprocessing=False),
+                                    epochs=3, verbose=0))
+    assert len(made) >= 24
+    for batch, targets in made:  # SGD(0): the teacher's weights never move
+        np.testing.assert_allclose(targets, _dense(teacher, batch), rtol=1e-5)
+    # And one that feeds this model's own fit, that deep, is refused.
+    outcome = []
+
+    class Feeds(Targets):
+        def __getitem__(self, i):
+            deep(x[:4], 80)
+            return x[:4], x[:4, :2]
+
+    def fit():
+        try:
+            teacher.fit(Feeds(workers=2, use_multiprocessing=False), verbose=0)
+        except Exception as error:  # noqa: BLE001 - asserted below
+            outcome.append(error)
+
+    _in_threads(fit)
+    assert "was called while making a batch of the `Feeds`" in str(outcome[0]), outcome

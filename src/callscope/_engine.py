@@ -86,9 +86,10 @@ class _State:
         # turn passes to other threads around every callback.
         self.shared = SharedState(model, sync=_JAX, metrics=True)
         self.gate = Gate(self.shared)
-        # thread -> what each call of the model in progress there keeps while it
-        # reads its batches (`check_not_feeding`)
-        self.reading: dict[int, list[frozenset]] = {}
+        # thread -> `(method, what it keeps while it reads its batches, the Python
+        # sources of those)` of each call of the model in progress there
+        # (`check_not_feeding`)
+        self.reading: dict[int, list[tuple]] = {}
 
     def gates(self, method: str) -> tuple:
         if _JAX or method in _WITH_METRICS:
@@ -101,36 +102,73 @@ class _State:
 
 
 FEEDS_A_CALL = (
-    "`{model}.{method}` was called while making a batch for an input pipeline (a "
-    "`PyDataset` worker, or the thread tf.data runs a generator in), while a call of "
-    "`{model}` runs in another thread: {why}, so this call would wait for ever if "
-    "that call is the one this pipeline feeds. Compute such values before the call, or with a copy "
-    "of the model (`keras.models.clone_model` and `set_weights`). Received: "
-    "`{model}.{method}` called in thread `{thread}`")
+    "`{model}.{method}` was called while making a batch of {source}, which a "
+    "`{running}` of `{model}` in another thread reads: {why}, so this call would wait "
+    "for ever for that one, and it for this batch. Compute such values before the "
+    "call, or with a copy of the model (`keras.models.clone_model` and "
+    "`set_weights`). Received: `{model}.{method}` called in thread `{thread}`")
 
 
 def check_not_feeding(model, method: str, takes: frozenset) -> None:
-    """Refuses a call of `model` made by the input pipeline of a call of it in
-    another thread, where it would wait for that call for ever, for what `takes`
-    names: its turn (a JAX call, or a call with metrics, keeps it while it reads
-    its batches) or, on TF, the dynamic values (fit's and evaluate's steps hold
-    them while they pull their batch). Every such call is refused, not only one
-    that finds them taken: a pipeline reads ahead, and would hang or pass as it
-    happened to run."""
+    """Refuses a call of `model` made while making a batch for a call of it in
+    another thread (a `PyDataset` worker, tf.data's generator thread), where it
+    would wait for that call for ever, for what `takes` names: the turn (a JAX
+    call, or a call with metrics, keeps it while it reads its batches) or, on TF,
+    the dynamic values (fit's and evaluate's steps hold them while they pull their
+    batch). Every such call is refused, not only one that finds them taken: a
+    pipeline reads ahead, and would hang or pass as it happened to run. A pipeline
+    that feeds another call (another model's fit) waits its turn as before."""
     me = threading.get_ident()
+    sources = [(method_, source) for thread, calls in list(model._cs.reading.items())
+               if thread != me for method_, keeps, feeds in calls if keeps & takes
+               for source in feeds]
+    running, source = _making_a_batch_of(sources)
+    if source is None:
+        return
     kept = {what for thread, calls in list(model._cs.reading.items()) if thread != me
-            for keeps in calls for what in keeps} & takes
-    if kept and _keras_compat.feeds_an_input_pipeline():
-        why = ("on JAX, calls of one model take turns (Keras's loop keeps the weights "
-               "out of the variables while it runs), and that call keeps its turn" if _JAX
-               else "calls that update the model's metrics, and direct calls, take turns, "
-               "and that call keeps its turn" if "turn" in kept else
-               "on TensorFlow, that call's steps read their batch while they hold the "
-               "model's dynamic values (and the values of patches), which this call "
-               "sets too")
-        raise RuntimeError(FEEDS_A_CALL.format(
-            model=model.name, method=method, why=why,
-            thread=threading.current_thread().name))
+            for method_, keeps, _ in calls if method_ == running for what in keeps} & takes
+    why = ("on JAX, calls of one model take turns (Keras's loop keeps the weights out of "
+           "the variables while it runs), and that call keeps its turn" if _JAX
+           else "calls that update the model's metrics, and direct calls, take turns, "
+           "and that call keeps its turn" if "turn" in kept else
+           "on TensorFlow, that call's steps read their batch while they hold the "
+           "model's dynamic values (and the values of patches), which this call sets too")
+    shown = (f"the generator `{source.__name__}`" if inspect.isgenerator(source)
+             else f"the `{type(source).__name__}`")
+    raise RuntimeError(FEEDS_A_CALL.format(
+        model=model.name, method=method, source=shown, running=running, why=why,
+        thread=threading.current_thread().name))
+
+
+def _making_a_batch_of(sources) -> tuple:
+    """`(method, source)` of the first of `sources` (`(method, a generator or a
+    PyDataset)`) whose Python code this thread runs now: the generator's own frame,
+    or the PyDataset's `__getitem__`; `(None, None)` if none."""
+    if not sources:
+        return None, None
+    frames = {id(source.gi_frame): (method, source) for method, source in sources
+              if inspect.isgenerator(source) and source.gi_frame is not None}
+    datasets = {id(source): (method, source) for method, source in sources
+                if not inspect.isgenerator(source)}
+    frame = inspect.currentframe().f_back
+    while frame is not None:
+        found = frames.get(id(frame))
+        if found is None and datasets and frame.f_code.co_name == "__getitem__":
+            found = datasets.get(id(frame.f_locals.get("self")))
+        if found is not None:
+            return found
+        frame = frame.f_back
+    return None, None
+
+
+def _fed_by(method: str, args: tuple, kwargs: dict) -> tuple:
+    """The Python sources of batches a call of `method` reads (its generators and
+    `PyDataset`s, validation's included), whose code may call the model."""
+    given = [args[0] if args else kwargs.get("x")]
+    if method == "fit":
+        given.append(kwargs.get("validation_data"))
+    return tuple(source for source in given if inspect.isgenerator(source)
+                 or isinstance(source, keras.utils.PyDataset))
 
 
 def _ended_here(reading: dict, thread: int) -> None:
@@ -426,7 +464,7 @@ class Engine(CaptureMixin):
             # on TF, fit's and evaluate's steps read theirs holding the values.
             keeps = takes - {"values"} if method == "predict" else takes
             state.reading.setdefault(me, []).append(
-                keeps if method in ("fit", "evaluate", "predict") else frozenset())
+                (method, keeps, _fed_by(method, args, kwargs)))
             stack.callback(_ended_here, state.reading, me)
             for gate in state.gates(method):
                 stack.enter_context(gate.held())

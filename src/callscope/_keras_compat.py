@@ -20,7 +20,6 @@ import inspect
 import itertools
 import sys
 import threading
-from typing import Any, NamedTuple
 
 import keras
 from keras.src.backend.common import global_state as _global_state
@@ -246,10 +245,12 @@ class _CollectingScope(keras.StatelessScope):
         # over a copy of the outer scope's where it collects them too.
         super().__init__(collect_losses=True, initialize_variables=False)
         self.outer, self.updates, self.added = outer, {}, []
+        self.outer_had = None  # ids of the outer scope's losses before
         if outer is not None:
             self.state_mapping = dict(outer.state_mapping)
             if outer.collect_losses:
                 self.losses = list(outer.losses)
+                self.outer_had = {id(loss) for loss in outer.losses}
 
     def add_update(self, update):
         super().add_update(update)
@@ -257,8 +258,12 @@ class _CollectingScope(keras.StatelessScope):
 
     def add_loss(self, loss):
         super().add_loss(loss)
-        layer = sys._getframe(1).f_locals.get("self")  # (`Layer.add_loss` calls this)
-        self.added.append((layer if isinstance(layer, keras.layers.Layer) else None, loss))
+        # The layer, where `Layer.add_loss` adds it (it then notes the loss's id in
+        # its `_loss_ids`); a loss the caller adds to the scope itself has none.
+        caller = sys._getframe(1)
+        layer = (caller.f_locals.get("self")
+                 if caller.f_code is keras.layers.Layer.add_loss.__code__ else None)
+        self.added.append((layer, loss))
 
     def get_current_value(self, variable):
         # A variable no scope maps reads as itself: a weight regularizer reads its
@@ -266,54 +271,50 @@ class _CollectingScope(keras.StatelessScope):
         value = super().get_current_value(variable)
         return variable._value if value is None and self.outer is None else value
 
-    def assigned(self) -> list:
-        """`(target, traced value)`: each variable assigned, then each loss added
-        that the call kept (a later call of its layer clears the earlier ones)."""
+    def assigned_values(self) -> list:
+        """Taken as the trace ends, the traced values of what `write_back` puts:
+        each variable assigned; each loss added here that the call kept (a later
+        call of its layer clears the earlier ones); each loss the caller added to
+        the outer scope itself, meanwhile."""
         kept = {id(loss) for loss in self.losses}
-        return [*self.updates.values(), *((_AddedLoss(self, layer, id(loss)), loss)
-                                          for layer, loss in self.added if id(loss) in kept)]
+        self.kept_losses = [(layer, loss) for layer, loss in self.added if id(loss) in kept]
+        self.ours = kept
+        self.outer_added = [] if self.outer_had is None else [
+            loss for loss in self.outer.losses if id(loss) not in self.outer_had]
+        return [*(value for _, value in self.updates.values()),
+                *(loss for _, loss in self.kept_losses), *self.outer_added]
 
 
-class _AddedLoss(NamedTuple):
-    scope: _CollectingScope
-    layer: Any
-    traced: int  # the id of the traced loss, in the layer's `_loss_ids`
-
-
-def write_back(pairs) -> None:
-    """`(target, value)` pairs of `_CollectingScope.assigned`, computed: a variable's
-    value to the scope in effect (a step's), or into the variable; a loss into
-    the scope in effect where it collects losses (the losses this model's call
-    cleared out of it), or to its layer outside any scope, as a direct call adds
-    it (in a scope that does not collect them, it is dropped, as there)."""
-    from keras.src.backend.common.stateless_scope import get_stateless_scope
-
-    outer = get_stateless_scope()
-    pairs = list(pairs)
-    losses = [(target, value) for target, value in pairs if isinstance(target, _AddedLoss)]
-    for variable, value in pairs:
-        if isinstance(variable, _AddedLoss):
-            continue
+def write_back(scope: _CollectingScope, values) -> None:
+    """The values of `scope.assigned_values()`, computed, where a direct call puts
+    them: a variable's to the scope in effect (a step's), or into the variable; a
+    layer's loss into the scope in effect where it collects losses (this model's
+    earlier ones cleared out of it, as its call clears them), to the layer outside
+    any scope, or nowhere in a scope that does not collect them."""
+    outer = scope.outer
+    values = list(values)
+    variables = [variable for variable, _ in scope.updates.values()]
+    for variable, value in zip(variables, values):
         if outer is not None:
             outer.add_update((variable, value))
         else:
             variable.assign(value)
-    if not losses:
+    values = values[len(variables):]
+    losses, outer_added = values[:len(scope.kept_losses)], values[len(scope.kept_losses):]
+    for (layer, traced), value in zip(scope.kept_losses, losses):
+        if layer is not None:
+            layer._loss_ids.discard(id(traced))
+            if outer is None:
+                layer._losses.append(value)
+    if outer is None or not outer.collect_losses:
         return
-    if outer is not None and outer.collect_losses:
-        kept = {id(loss) for loss in losses[0][0].scope.losses}
-        outer.losses[:] = [loss for loss in outer.losses if id(loss) in kept]
-    for added, value in losses:
-        if added.layer is None:
-            continue
-        added.layer._loss_ids.discard(added.traced)
-        if outer is None:
-            added.layer._losses.append(value)
-        elif outer.collect_losses:
-            outer.add_loss(value)
-            added.layer._loss_ids.add(id(value))
-    if outer is not None and outer.collect_losses:  # (a loss no layer added)
-        outer.losses.extend(v for added, v in losses if added.layer is None)
+    computed = {id(traced): value for traced, value in zip(scope.outer_added, outer_added)}
+    outer.losses[:] = [computed.get(id(loss), loss) for loss in outer.losses
+                       if id(loss) not in scope.outer_had or id(loss) in scope.ours]
+    for (layer, _), value in zip(scope.kept_losses, losses):
+        outer.add_loss(value)
+        if layer is not None:
+            layer._loss_ids.add(id(value))
 
 
 def stateless_value(variable):
@@ -1106,32 +1107,6 @@ def child_layers(layer):
 def flatten_layers(model):
     """`model` and every layer under it (keras 3.15.1: layers/layer.py:1708)."""
     return model._flatten_layers(include_self=True, recursive=True)
-
-
-# Where a thread makes batches for a Keras input pipeline, not in the call's own
-# thread: a `PyDataset` worker (keras 3.15.1: trainers/data_adapters/
-# py_dataset_adapter.py, `get_index`), or the thread tf.data runs a Python
-# generator in (tensorflow 2.21: python/data/ops/from_generator_op.py,
-# `generator_py_func`), which is how Keras's TF adapters read generators and
-# PyDatasets.
-_PIPELINE_CODE = {("get_index", "trainers/data_adapters/py_dataset_adapter.py"),
-                  ("generator_py_func", "data/ops/from_generator_op.py")}
-_PIPELINE_DEPTH = 64  # frames looked at (a user's batch code, a model's call above)
-
-
-def feeds_an_input_pipeline() -> bool:
-    """Whether this thread is making a batch for an input pipeline (a `PyDataset`
-    worker, tf.data's generator thread)."""
-    frame = inspect.currentframe()
-    for _ in range(_PIPELINE_DEPTH):
-        frame = frame.f_back if frame is not None else None
-        if frame is None:
-            return False
-        code = frame.f_code
-        if any(code.co_name == name and code.co_filename.replace("\\", "/").endswith(path)
-               for name, path in _PIPELINE_CODE):
-            return True
-    return False
 
 
 def is_escaped_tracer(error) -> bool:

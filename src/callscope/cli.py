@@ -120,7 +120,9 @@ def _load_model(path, unsafe):
     import callscope as cs
 
     try:
-        model = keras.saving.load_model(path, safe_mode=not unsafe)
+        # (Not compiled: a custom loss or metric, which inspecting never uses, would
+        # need its code here.)
+        model = keras.saving.load_model(path, safe_mode=not unsafe, compile=False)
     except ValueError as error:
         text = str(error)
         if "safe_mode" in text or "unsafe" in text.lower():
@@ -134,8 +136,9 @@ def _load_model(path, unsafe):
         if missing:  # (a subclassed model, or a custom layer: their code is not here)
             raise InputError(
                 f"{path} holds a custom object `{missing.group(1)}` whose code this "
-                "command cannot import (a subclassed model or a custom layer, registered "
-                "where it was saved); inspect it in your own script, where that code is "
+                "command cannot import (a subclassed model, a custom layer or a function "
+                "in it, registered where it was saved); inspect it in your own script, "
+                "where that code is "
                 "imported: `cs.capture(cs.enable(keras.saving.load_model(path)))` takes "
                 "the same selections and statistics") from None
         raise InputError(

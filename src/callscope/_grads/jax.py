@@ -104,14 +104,13 @@ def _based(collector):
 
 
 def _assigning(collector, fn, *args):
-    """`fn(*args)` run `_based`, with what it assigns and the losses its layers add
+    """`fn(*args)` run `_based`, with what it assigns and the losses it adds
     collected, not written into the variables or an outer scope (a tracer there
-    breaks the model): its result, what it assigned, and their values, traced
-    (`write_back` them once computed)."""
+    breaks the model): its result, the collecting scope, and the values it
+    collected, traced (`write_back` them once computed)."""
     with _based(collector), _keras_compat.collected_updates() as scope:
         result = fn(*args)
-    assigned = scope.assigned()
-    return result, [target for target, _ in assigned], [value for _, value in assigned]
+    return result, scope, scope.assigned_values()
 
 
 def _split(result):
@@ -132,10 +131,11 @@ def value_and_grads(collector, loss_fn, args):
         placeholders.append(placeholder)
         return marked
 
-    updated = []  # the variables `loss_fn` assigns, in the order of the trace's values
+    collected = []  # the scope that collected what `loss_fn` assigns and adds
 
     def traced(*args):
-        result, updated[:], values = _assigning(collector, loss_fn, *args)
+        result, scope, values = _assigning(collector, loss_fn, *args)
+        collected[:] = [scope]
         return result, collector.records, values, placeholders
 
     previous = collector.on_grad_source
@@ -163,7 +163,7 @@ def value_and_grads(collector, loss_fn, args):
 
     zeros = [jnp.zeros(s.shape, s.dtype) for s in shapes[3]]
     (loss, (aux, records, values)), grads = jax.value_and_grad(forward, has_aux=True)(zeros)
-    _keras_compat.write_back(zip(updated, values))  # as a direct call assigns them
+    _keras_compat.write_back(collected[0], values)  # as a direct call assigns them
     collector.records = {}
     collector.merge(records)  # the outputs, as values (not tracers of the trace)
     collector.grad_sources = {}
@@ -208,16 +208,17 @@ def _fallback(collector, loss_fn, args, sources):
     collector.records, collector.grad_sources = {}, {}
     del collector.tree[:]
 
-    updated = []
+    collected = []
 
     def forward(perturbations):
-        result, updated[:], values = _assigning(
+        result, scope, values = _assigning(
             collector, _perturbed(collector, loss_fn), perturbations, *args)
+        collected[:] = [scope]
         loss, aux = _split(result)
         return loss, (aux, collector.records, values)
 
     (loss, (aux, records, values)), grads = jax.value_and_grad(forward, has_aux=True)(zeros)
-    _keras_compat.write_back(zip(updated, values))
+    _keras_compat.write_back(collected[0], values)
     reached = {name for name, _ in collector.grad_source_list()}
     if reached != set(zeros):  # the sources were not perturbed
         raise RuntimeError(
