@@ -359,7 +359,19 @@ def test_a_keras_hub_generate_under_a_capture_or_patch_is_refused():
     refused()
     again = model.generate(prompt, max_length=6, stop_token_ids=None)
     np.testing.assert_array_equal(again["token_ids"], stock["token_ids"])
-    # A call of the model inside the scope is one.
+    # A call of the model inside the scope is one, and so is a `generate` of your
+    # own that decodes by calling the model.
     with cs.capture(model, "lm/gpt2_backbone") as inside:
         model.predict(prompt, verbose=0)
     assert inside["lm/gpt2_backbone:output"].shape == (2, 6, 8)
+
+    class Decodes(cs.ContextMixin, keras_hub.models.GPT2CausalLM):
+        def generate(self, inputs, **kwargs):
+            return self(inputs)
+
+    own = Decodes(backbone=backbone, preprocessor=None, name="own")
+    with cs.capture(own, "own/gpt2_backbone") as decoded:
+        logits = own.generate(prompt)
+    np.testing.assert_allclose(decoded["own/gpt2_backbone:output"],
+                               inside["lm/gpt2_backbone:output"], rtol=1e-5, atol=1e-6)
+    assert logits.shape == (2, 6, 50)

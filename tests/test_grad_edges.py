@@ -1437,6 +1437,29 @@ def test_intermediate_grads_leaves_the_losses_where_a_direct_call_does(outer):
         np.testing.assert_allclose(sorted(listed), sorted([activity, 3.0]), rtol=1e-5)
 
 
+@pytest.mark.skipif(BACKEND != "jax", reason="jax.vmap")
+def test_intermediate_grads_drops_the_losses_of_a_call_under_the_users_vmap():
+    # Their tracers cannot leave the vmap: returned out of the trace, they raised
+    # JAX's ConcretizationTypeError.
+    import jax
+
+    keras.utils.set_random_seed(4)
+    model = cs.Sequential([keras.Input((3,)), keras.layers.Dense(
+        4, name="d", activity_regularizer=keras.regularizers.L2(10.0))], name="m")
+    model(X)
+
+    def loss_fn():
+        first = keras.ops.mean(model(X) ** 2)
+        out = jax.vmap(lambda row: model(row[None])[0])(X)
+        return keras.ops.mean(out ** 2) + first
+
+    result = cs.intermediate_grads(model, loss_fn, select="*")
+    kernel, bias = model.get_weights()
+    np.testing.assert_allclose(numpy(result.loss), 2 * np.mean((X @ kernel + bias) ** 2),
+                               rtol=1e-5)
+    assert model.losses == []  # (the vmapped call, the last, cleared the first's)
+
+
 @pytest.mark.skipif(BACKEND != "torch", reason="Keras assigns a state in place on torch")
 def test_a_gradient_that_an_in_place_state_breaks_is_refused_by_name():
     # Stacked stateful RNNs: torch's own error ("modified by an inplace operation

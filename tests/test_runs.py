@@ -1479,3 +1479,29 @@ def test_a_pipeline_feeding_another_models_fit_waits_its_turn_as_before():
 
     _in_threads(fit)
     assert "was called while making a batch of the `Feeds`" in str(outcome[0]), outcome
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="TF's steps pull their batch")
+def test_a_pipeline_call_waiting_for_a_batch_patchs_step_lock_is_refused_not_hung():
+    # A patch that takes the batch holds the step's lock as dynamic values do;
+    # the refusal did not count it, and the generator's predict hung.
+    model = _scaled()
+    outcome = []
+
+    def generator():  # (Keras reads the first two in the call's own thread)
+        for i in range(4):
+            batch = X[i * 2:(i + 1) * 2]
+            model.predict(batch, temperature=0.5, verbose=0)
+            yield batch, Y[i * 2:(i + 1) * 2]
+
+    def evaluate():
+        try:
+            with cs.patch(model, {"t/d": lambda value, batch: value}):
+                model.evaluate(generator(), steps=4, verbose=0)
+            outcome.append("runs")
+        except Exception as error:  # noqa: BLE001 - asserted below
+            outcome.append(error)
+
+    _in_threads(evaluate)
+    assert "was called while making a batch of the generator `generator`, which a " \
+           "`evaluate` of `t` in another thread reads" in str(outcome[0]), outcome

@@ -132,7 +132,8 @@ def check_not_feeding(model, method: str, takes: frozenset) -> None:
            else "calls that update the model's metrics, and direct calls, take turns, "
            "and that call keeps its turn" if "turn" in kept else
            "on TensorFlow, that call's steps read their batch while they hold the "
-           "model's dynamic values (and the values of patches), which this call sets too")
+           "model's dynamic values (and the values of patches, and the replicas' entry "
+           "under a MirroredStrategy), which this call sets too")
     shown = (f"the generator `{source.__name__}`" if inspect.isgenerator(source)
              else f"the `{type(source).__name__}`")
     raise RuntimeError(FEEDS_A_CALL.format(
@@ -455,8 +456,9 @@ class Engine(CaptureMixin):
 
     def _cs_call_keras(self, method, run, frame, args, kwargs):
         state = self._cs
+        holds_lock = run.dynamic or run.has_inputs or run.offset is not None or run.replicated
         takes = frozenset(("turn",) * bool(state.gates(method))
-                          + ("values",) * (_TF and bool(run.dynamic or run.has_inputs)))
+                          + ("values",) * (_TF and bool(holds_lock)))
         check_not_feeding(self, method, takes)
         me = threading.get_ident()
         with contextlib.ExitStack() as stack:

@@ -244,7 +244,10 @@ class _CollectingScope(keras.StatelessScope):
         # (without, they were dropped, and a loss of `loss_fn` that adds them too),
         # over a copy of the outer scope's where it collects them too.
         super().__init__(collect_losses=True, initialize_variables=False)
+        from callscope import _backend
+
         self.outer, self.updates, self.added = outer, {}, []
+        self.marker = _backend.trace_marker()  # (the trace it collects for)
         self.outer_had = None  # ids of the outer scope's losses before
         if outer is not None:
             self.state_mapping = dict(outer.state_mapping)
@@ -256,14 +259,20 @@ class _CollectingScope(keras.StatelessScope):
         super().add_update(update)
         self.updates[id(update[0])] = update
 
-    def add_loss(self, loss):
+    def add_loss(self, loss, layer=None):
         super().add_loss(loss)
         # The layer, where `Layer.add_loss` adds it (it then notes the loss's id in
-        # its `_loss_ids`); a loss the caller adds to the scope itself has none.
+        # its `_loss_ids`), or `write_back` of a scope inside this one; a loss the
+        # caller adds to the scope itself has none. Made inside another trace
+        # than this scope's (a model called under `jax.vmap` or `jax.checkpoint`
+        # in `loss_fn`), it cannot leave that one, and is dropped as before.
+        from callscope import _backend
+
         caller = sys._getframe(1)
-        layer = (caller.f_locals.get("self")
-                 if caller.f_code is keras.layers.Layer.add_loss.__code__ else None)
-        self.added.append((layer, loss))
+        if layer is None and caller.f_code is keras.layers.Layer.add_loss.__code__:
+            layer = caller.f_locals.get("self")
+        if _backend.trace_marker()[1:] == self.marker[1:]:
+            self.added.append((layer, loss))
 
     def get_current_value(self, variable):
         # A variable no scope maps reads as itself: a weight regularizer reads its
@@ -312,7 +321,10 @@ def write_back(scope: _CollectingScope, values) -> None:
     outer.losses[:] = [computed.get(id(loss), loss) for loss in outer.losses
                        if id(loss) not in scope.outer_had or id(loss) in scope.ours]
     for (layer, _), value in zip(scope.kept_losses, losses):
-        outer.add_loss(value)
+        if isinstance(outer, _CollectingScope):  # (one `intermediate_grads` in another's)
+            outer.add_loss(value, layer)
+        else:
+            outer.add_loss(value)
         if layer is not None:
             layer._loss_ids.add(id(value))
 
@@ -1119,9 +1131,11 @@ def is_escaped_tracer(error) -> bool:
 
 def runs_its_own_loop(cls) -> bool:
     """Whether `cls` is a keras_hub task that generates in a loop of its own:
-    `generate` calls `make_generate_function`, whose function (compiled, and kept
-    in `generate_function`) calls the layers outside any call of the model
-    (keras_hub 0.32.0: models/causal_lm.py, text_to_image.py, image_to_image.py)."""
+    `generate` calls `make_generate_function` first, whose function (compiled, and
+    kept in `generate_function`) calls the layers outside any call of the model
+    (keras_hub 0.32.0: models/causal_lm.py:335, text_to_image.py:312,
+    image_to_image.py:373, inpaint.py:467; the other tasks' `generate` calls one
+    of these)."""
     return callable(getattr(cls, "generate", None)) and callable(
         getattr(cls, "make_generate_function", None))
 

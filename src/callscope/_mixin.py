@@ -75,7 +75,10 @@ class ContextMixin(Engine, _keras_compat.LossHook, *_JAX_HOOKS):
                 ", or use `cs.Model` / `cs.Sequential`. "
                 f"Received: bases={[b.__name__ for b in cls.__bases__]}")
         if _keras_compat.runs_its_own_loop(cls):
-            cls.generate = _record.refusing_under_scopes(cls.generate)
+            # (Where `generate` makes its loop: a `generate` of your own that decodes
+            # by calling the model stays a run of calls.)
+            cls.make_generate_function = _record.refusing_under_scopes(
+                cls.make_generate_function, "generate")
 
     # ------------------------------------------------------------------
     # Per-model registry

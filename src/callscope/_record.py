@@ -1221,10 +1221,11 @@ OWN_LOOP = (
     "the scope")
 
 
-def refusing_under_scopes(method):
-    """`method` of a callscope model that runs the layers in a loop of its own
-    (keras_hub's `generate`), refused under a capture or patch of that model or
-    of one it holds. Its layers' wrappers refuse it while the loop traces
+def refusing_under_scopes(method, shown: str):
+    """`method` of a callscope model that makes the loop of its own that `shown`
+    runs the layers in (keras_hub's `make_generate_function`, which `generate`
+    calls first), refused under a capture or patch of that model or of one it
+    holds. Its layers' wrappers refuse it while the loop traces
     (`_check_inside_a_call`), but a loop compiled by an earlier call runs without
     them: the scope recorded and patched nothing, and only warned as it exited."""
     if getattr(method, "_cs_refuses_under_scopes", False):
@@ -1239,8 +1240,7 @@ def refusing_under_scopes(method):
                 held = held if held is not None else _keras_compat.layers_held(self)
                 if id(model) in held:
                     raise RuntimeError(OWN_LOOP.format(
-                        what=what, model=model.name, owner=self.name,
-                        method=method.__name__))
+                        what=what, model=model.name, owner=self.name, method=shown))
         return method(self, *args, **kwargs)
 
     refusing._cs_refuses_under_scopes = True

@@ -120,9 +120,7 @@ def _load_model(path, unsafe):
     import callscope as cs
 
     try:
-        # (Not compiled: a custom loss or metric, which inspecting never uses, would
-        # need its code here.)
-        model = keras.saving.load_model(path, safe_mode=not unsafe, compile=False)
+        model = _loaded(keras, path, unsafe)
     except ValueError as error:
         text = str(error)
         if "safe_mode" in text or "unsafe" in text.lower():
@@ -147,6 +145,18 @@ def _load_model(path, unsafe):
     if not isinstance(model, keras.Model):
         raise InputError(f"{path} holds a {type(model).__name__}, not a Keras model")
     return cs.enable(model)
+
+
+def _loaded(keras, path, unsafe):
+    """The model, compiled as saved (its `jit_compile` and `run_eagerly` kept);
+    uncompiled where its compile config needs code that is not here (a custom loss
+    or metric, which inspecting never uses)."""
+    try:
+        return keras.saving.load_model(path, safe_mode=not unsafe)
+    except Exception as error:  # noqa: BLE001 - retried, then reported by the caller
+        if "Could not locate" not in str(error):
+            raise
+        return keras.saving.load_model(path, safe_mode=not unsafe, compile=False)
 
 
 def _model_inputs(model):
