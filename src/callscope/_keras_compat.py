@@ -221,7 +221,7 @@ def collected_updates():
     """JAX: a `keras.StatelessScope` over the one in effect (its values kept), that
     collects what layers assign (a BatchNormalization's moving statistics under
     `training=True`, a stateful RNN's state, a seed generator's) and the losses
-    they add: yields the scope, whose `assigned()` lists them. Inside a trace, an
+    they add: yields the scope, whose `assigned_values()` lists them. Inside a trace, an
     assignment wrote a tracer into the variable, and the model was broken for
     good (`UnexpectedTracerError`); a loss added to an outer scope's list was a
     tracer there. `write_back` puts the values, computed, where a direct call

@@ -1180,8 +1180,7 @@ def _check_inside_a_call(layer) -> None:
     there) the call's own entry point is a method of the model too: a layer that
     only it is found running (a callback that calls the layer itself) is one
     called on its own."""
-    if _keras_compat.in_symbolic_scope() or any(  # (O(runs): per layer call)
-            _scope.calling(run) for run in _scope.runs_here()):
+    if not _outside_every_call():
         return
     for what, model in _open_scopes():
         if id(layer) not in _keras_compat.layers_held(model):
@@ -1203,6 +1202,13 @@ def _check_inside_a_call(layer) -> None:
                 raise RuntimeError(OUTSIDE_A_CALL.format(
                     what=what, model=model.name, layer=layer.name, method=method,
                     owner=owner.name))
+
+
+def _outside_every_call() -> bool:
+    """Not in a shape-only trace, nor in a step or a direct call of a run in
+    progress here (O(runs): per layer call)."""
+    return not _keras_compat.in_symbolic_scope() and not any(
+        _scope.calling(run) for run in _scope.runs_here())
 
 
 def _open_scopes() -> list:
@@ -1233,11 +1239,9 @@ def refusing_under_scopes(method, shown: str):
 
     @functools.wraps(method)
     def refusing(self, *args, **kwargs):
-        if _scope.records_open() and not _keras_compat.in_symbolic_scope() and not any(
-                _scope.calling(run) for run in _scope.runs_here()):
-            held = None
+        if _scope.records_open() and _outside_every_call():
+            held = _keras_compat.layers_held(self)
             for what, model in _open_scopes():
-                held = held if held is not None else _keras_compat.layers_held(self)
                 if id(model) in held:
                     raise RuntimeError(OWN_LOOP.format(
                         what=what, model=model.name, owner=self.name, method=shown))
