@@ -521,3 +521,85 @@ def test_inspect_rnn_and_quantized_models(build, points, tmp_path):
     _assert_same_as_in_process(stats, _in_process(path, data, 10))
     expected = model.predict(data, verbose=0)
     assert stats["seq/out:output/mean"] == pytest.approx(expected.mean(), rel=1e-4, abs=1e-6)
+
+
+MODELS_PY = '''
+import keras
+
+@keras.saving.register_keras_serializable(package="cli_import_test")
+class Scale(keras.layers.Layer):
+    def __init__(self, factor, **kwargs):
+        super().__init__(**kwargs)
+        self.factor = factor
+
+    def call(self, x):
+        return x * self.factor
+
+    def get_config(self):
+        return {**super().get_config(), "factor": self.factor}
+
+@keras.saving.register_keras_serializable(package="cli_import_test")
+class Net(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(3, name="dense")
+        self.scale = Scale(2.5, name="scale")
+
+    def call(self, x):
+        return self.scale(self.dense(x))
+'''
+
+
+def test_import_registers_the_custom_objects_a_file_needs(saved, tmp_path, monkeypatch):
+    """`--import` runs the module that defines a subclassed model and its custom
+    layer, by module name from the current directory or as a .py path, and the
+    statistics are those of the model in-process; bad imports are one-line errors."""
+    _, _, x = saved
+    (tmp_path / "cli_models.py").write_text(MODELS_PY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import cli_models
+
+    keras.utils.set_random_seed(1)
+    net = cli_models.Net(name="net")
+    called = net(x)  # (builds it)
+    net.save(tmp_path / "net.keras")
+    kernel, bias = net.dense.get_weights()
+    dense = x @ kernel + bias
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(called), dense * 2.5,
+                               rtol=1e-5, atol=1e-6)
+
+    def forget():  # (what a fresh process has: the file's code not imported)
+        for key in ("cli_import_test>Net", "cli_import_test>Scale"):
+            keras.saving.get_custom_objects().pop(key, None)
+        sys.modules.pop("cli_models", None)
+
+    forget()
+    data = tmp_path / "x.npy"
+    _one_line_error(run_here("inspect", tmp_path / "net.keras", "--data", data), 1,
+                    "custom object", "--import MODULE")
+    monkeypatch.chdir(tmp_path)
+    for given in ("cli_models", str(tmp_path / "cli_models.py")):
+        forget()
+        proc = run_here("inspect", tmp_path / "net.keras", "--data", data, "--json",
+                        "--import", given)
+        assert proc.returncode == 0, proc.stderr
+        stats = json.loads(proc.stdout)
+        assert stats["net/dense:output/mean"] == pytest.approx(dense.mean(), rel=1e-5)
+        assert stats["net/scale:output/std"] == pytest.approx((dense * 2.5).std(), rel=1e-4)
+    _one_line_error(run_here("inspect", tmp_path / "net.keras", "--data", data,
+                             "--import", "no_such_module_here"), 1,
+                    "--import no_such_module_here", "No module named", "a .py file")
+    _one_line_error(run_here("inspect", tmp_path / "net.keras", "--data", data,
+                             "--import", "missing.py"), 1,
+                    "--import missing.py: no such file")
+    (tmp_path / "broken.py").write_text("raise ZeroDivisionError('bad module')\n")
+    _one_line_error(run_here("inspect", tmp_path / "net.keras", "--data", data,
+                             "--import", "broken.py"), 1,
+                    "--import broken.py raised ZeroDivisionError: bad module")
+    # The script itself (a new interpreter, whose sys.path lacks the current directory).
+    forget()
+    proc = run("inspect", tmp_path / "net.keras", "--data", data, "--json", "--import",
+               "cli_models", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout)["net/dense:output/mean"] == pytest.approx(dense.mean(),
+                                                                            rel=1e-5)

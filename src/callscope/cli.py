@@ -3,11 +3,16 @@
     callscope demo [--out DIR] [--epochs N]
     callscope inspect MODEL.keras --data FILE.npy|.npz [--select GLOB] [--reduce mean,std]
                       [--kinds output,input] [--batch-size N] [--out DIR] [--json]
-                      [--unsafe] [--overwrite]
+                      [--unsafe] [--overwrite] [--import MODULE ...]
 
 `--data` is a .npy (one input), or an .npz: for a model with several inputs, one
 array per input, named after it (`np.savez(path, left=..., right=...)`); for one
 input, an array named `x`, named after the input, or the only array.
+
+`--import` runs the code a file's custom objects need (a subclassed model, a
+custom layer, registered with `keras.saving.register_keras_serializable`) before
+it loads: a module importable from the current directory (`--import mypkg.models`)
+or a `.py` file (`--import models.py`); repeat it for several.
 
 Exit codes: 0 success, 1 an input error (a missing or unreadable file, a shape
 that does not fit), 2 a usage error. Errors are one line on stderr, never a
@@ -65,6 +70,10 @@ def main(argv=None) -> int:
                          help="allow code inside the file (Lambda layers): only for files "
                               "you trust")
     inspect.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    inspect.add_argument("--import", dest="imports", action="append", default=[],
+                         metavar="MODULE",
+                         help="import a module (or run a .py file) that registers the "
+                              "file's custom objects before it loads; repeatable")
     args = parser.parse_args(argv)
     if args.command == "inspect":
         _check_choices(inspect, args)
@@ -108,13 +117,14 @@ def _check_choices(parser, args):
 # --------------------------------------------------------------------------
 # inspect
 # --------------------------------------------------------------------------
-def _load_model(path, unsafe):
+def _load_model(path, unsafe, imports=()):
     if not os.path.exists(path):
         raise InputError(f"no such model file: {path} (check the path)")
     if path.endswith(".keras") and not zipfile.is_zipfile(path):
         # (Keras says "File not found" of such a file.)
         raise InputError(f"{path} is not a loadable Keras model: a .keras file is a zip "
                          "archive, as `model.save(path)` writes it, and this one is not")
+    _import(imports)
     import keras
 
     import callscope as cs
@@ -135,8 +145,9 @@ def _load_model(path, unsafe):
             raise InputError(
                 f"{path} holds a custom object `{missing.group(1)}` whose code this "
                 "command cannot import (a subclassed model, a custom layer or a function "
-                "in it, registered where it was saved); inspect it in your own script, "
-                "where that code is "
+                "in it, registered where it was saved): pass the module that defines "
+                "and registers it with --import MODULE (or --import path/to/file.py), or "
+                "inspect it in your own script, where that code is "
                 "imported: `cs.capture(cs.enable(keras.saving.load_model(path)))` takes "
                 "the same selections and statistics") from None
         raise InputError(
@@ -145,6 +156,38 @@ def _load_model(path, unsafe):
     if not isinstance(model, keras.Model):
         raise InputError(f"{path} holds a {type(model).__name__}, not a Keras model")
     return cs.enable(model)
+
+
+def _import(names):
+    """Imports each of `names` (`--import`): a module found from the current
+    directory, or a `.py` file run as a module named after it, so that the custom
+    objects it registers are there when the model loads."""
+    import importlib
+    import importlib.util
+
+    for name in names:
+        try:
+            if name.endswith(".py"):
+                if not os.path.isfile(name):
+                    raise InputError(f"--import {name}: no such file (check the path)")
+                module_name = os.path.splitext(os.path.basename(name))[0]
+                spec = importlib.util.spec_from_file_location(module_name, name)
+                module = importlib.util.module_from_spec(spec)
+                sys.modules[module_name] = module  # (as an import would: dataclasses, pickle)
+                spec.loader.exec_module(module)
+            else:
+                if os.getcwd() not in sys.path and "" not in sys.path:
+                    sys.path.insert(0, os.getcwd())  # (the script's path lacks it)
+                importlib.import_module(name)
+        except InputError:
+            raise
+        except ModuleNotFoundError as error:
+            raise InputError(
+                f"--import {name}: {error} (give a module importable from the current "
+                "directory, such as mypkg.models, or the path of a .py file)") from None
+        except Exception as error:  # noqa: BLE001 - the user's code: its error, one line
+            raise InputError(f"--import {name} raised {type(error).__name__}: "
+                             f"{_first_line(str(error))}") from None
 
 
 def _loaded(keras, path, unsafe):
@@ -344,7 +387,7 @@ def run_inspect(args):
     import callscope as cs
     from callscope import report
 
-    model = _load_model(args.model, args.unsafe)
+    model = _load_model(args.model, args.unsafe, args.imports)
     layout, shapes = _model_inputs(model)
     arrays = _load_data(args.data, list(shapes))
     _check_shape(shapes, arrays, args.data)
