@@ -592,6 +592,10 @@ def test_import_registers_the_custom_objects_a_file_needs(saved, tmp_path, monke
     _one_line_error(run_here("inspect", tmp_path / "net.keras", "--data", data,
                              "--import", "missing.py"), 1,
                     "--import missing.py: no such file")
+    (tmp_path / "json.py").write_text("raise AssertionError('ran')\n")
+    _one_line_error(run_here("inspect", tmp_path / "net.keras", "--data", data,
+                             "--import", "json.py"), 1,
+                    "a module named json is already imported", "rename the file")
     (tmp_path / "broken.py").write_text("raise ZeroDivisionError('bad module')\n")
     _one_line_error(run_here("inspect", tmp_path / "net.keras", "--data", data,
                              "--import", "broken.py"), 1,

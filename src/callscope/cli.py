@@ -171,13 +171,24 @@ def _import(names):
                 if not os.path.isfile(name):
                     raise InputError(f"--import {name}: no such file (check the path)")
                 module_name = os.path.splitext(os.path.basename(name))[0]
+                known = getattr(sys.modules.get(module_name), "__file__", None)
+                if module_name in sys.modules and not (
+                        known and os.path.samefile(known, name)):
+                    raise InputError(
+                        f"--import {name}: a module named {module_name} is already "
+                        "imported here, which this file would replace; rename the file")
                 spec = importlib.util.spec_from_file_location(module_name, name)
                 module = importlib.util.module_from_spec(spec)
                 sys.modules[module_name] = module  # (as an import would: dataclasses, pickle)
-                spec.loader.exec_module(module)
+                try:
+                    spec.loader.exec_module(module)
+                except BaseException:
+                    del sys.modules[module_name]  # (as a failed import leaves none)
+                    raise
             else:
                 if os.getcwd() not in sys.path and "" not in sys.path:
-                    sys.path.insert(0, os.getcwd())  # (the script's path lacks it)
+                    sys.path.append(os.getcwd())  # (the script's path lacks it; last: no
+                    # file here shadows a module callscope or Keras imports later)
                 importlib.import_module(name)
         except InputError:
             raise
