@@ -465,6 +465,31 @@ def test_calls_whose_rows_differ_in_shape_are_read_one_by_one(tmp_path, stream):
         np.testing.assert_allclose(call["seq/d:output"], x @ w + b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["memory", "streamed"])
+def test_calls_whose_rows_differ_in_dtype_are_read_one_by_one(tmp_path, stream):
+    # A value sown as float32 in one call and int32 in the next read as float64
+    # (numpy's promotion), silently: `cap[key]` refuses the cast, as it does for a
+    # change of shape, also read back with cs.load_capture.
+    class Net(cs.Model):
+        def call(self, x):
+            cs.sow(self, "raw", x)
+            return keras.ops.cast(x, "float32")
+
+    net = Net(name="net")
+    floats, ints = np.ones((4, 3), "float32"), np.full((4, 3), 7, "int32")
+    target = tmp_path / "caps" if stream else None
+    with cs.capture(net, to=target) as cap:
+        net.predict(floats, verbose=0)
+        net.predict(ints, verbose=0)
+    for read in [cap] + ([cs.load_capture(target)] if stream else []):
+        with pytest.raises(ValueError, match=r"`net/raw:output` has rows of different dtypes "
+                                             r".*float32, int32.*cap.calls\[i\]\[key\]"):
+            read["net/raw:output"]
+        for call, x in zip(read.calls, (floats, ints)):
+            assert call["net/raw:output"].dtype == x.dtype
+            np.testing.assert_array_equal(call["net/raw:output"], x)
+
+
 def test_streaming_to_a_file_is_refused_clearly(tmp_path):
     net = _net()
     target = tmp_path / "taken"

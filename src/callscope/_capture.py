@@ -92,7 +92,8 @@ class Capture(Mapping):
     Each call made in the scope records apart (`cap.calls`). The mapping itself
     reads the top-level calls, which must all be of one method (several `predict`s
     concatenate; several `fit`s give one row per step); calls of different
-    methods raise an error that says how to read each. Calls nested in another
+    methods, or whose rows of a key differ in shape or dtype, raise an error that
+    says how to read each. Calls nested in another
     call of the model that this capture records (`fit`'s validation, a callback's
     `predict`) are only in `cap.calls`, with `nested=True`, and never mix into the
     outer call's rows. A capture opened inside such a callback reads its calls as

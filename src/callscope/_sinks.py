@@ -720,6 +720,14 @@ def _read(calls: list[Call], key: str) -> np.ndarray:
             "cannot be concatenated. Read each call's rows from `cap.calls[i][key]`. "
             f"Received: {len(parts)} calls"
         )
+    dtypes = list(dict.fromkeys(part.dtype for part in parts))
+    if len(dtypes) > 1:  # (np.concatenate would promote them: int32 and float32 to float64)
+        raise ValueError(
+            f"`{key}` has rows of different dtypes in the calls of this capture "
+            f"({', '.join(map(str, dtypes))}: inputs of another dtype, say), which "
+            "cannot be concatenated without a cast. Read each call's rows from "
+            f"`cap.calls[i][key]`. Received: {len(parts)} calls"
+        )
     return _joined(parts)
 
 
