@@ -156,6 +156,51 @@ def test_a_call_failing_in_its_first_trace_keeps_weights_set_since_the_last_call
                                rtol=1e-6)
 
 
+class SlipsInItsStep(cs.Model):
+    """A predict_step that fails in its first step: on JAX by returning its
+    state in another structure (Keras's check raises after the step ran), on TF
+    and torch by raising."""
+
+    def __init__(self, dynamic):
+        super().__init__()
+        self.dense = keras.layers.Dense(1, kernel_initializer="ones")
+        if dynamic:
+            self.register_context_args("temp", dynamic=True)
+
+    def call(self, x):
+        return self.dense(x)
+
+    if BACKEND == "jax":
+        def predict_step(self, state, data):
+            trainable, non_trainable = state
+            x = data[0] if isinstance(data, tuple) else data
+            y, non_trainable = self.stateless_call(trainable, non_trainable, x)
+            return y, (trainable, non_trainable)  # (the slip: non_trainable alone)
+    else:
+        def predict_step(self, data):
+            self(data[0] if isinstance(data, tuple) else data)
+            raise ValueError("Argument `non_trainable_variables` must be a list")
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("built", [True, False], ids=["built", "built_by_the_call"])
+def test_a_step_that_fails_leaves_the_weights_of_a_model_the_call_built(dynamic, built):
+    # JAX: a model that predict itself built had no value from before the call,
+    # so its purged weights stayed None ('NoneType' object is not callable); with
+    # a dynamic name, the state the step returned in another structure (a list
+    # where an array goes) was put back, and raised AttributeError over the
+    # step's own error.
+    x = np.ones((8, 3), "float32")
+    model = SlipsInItsStep(dynamic)
+    values = {"temp": 2.0} if dynamic else {}
+    if built:
+        model(x[:1], **values)
+    with pytest.raises(ValueError, match="`non_trainable_variables` must be a list"):
+        model.predict(x, batch_size=4, verbose=0, **values)
+    np.testing.assert_array_equal(numpy(model(x[:2], **values)), np.full((2, 1), 3.0))
+    np.testing.assert_array_equal(model.get_weights()[0], np.ones((3, 1)))
+
+
 @keras.saving.register_keras_serializable(package="callscope_tests")
 class CustomCompile(cs.Model):
     def __init__(self, **kwargs):

@@ -660,14 +660,20 @@ def restore_purged_values(model, snapshot):
     (`donate_argnums=0`, backend/jax/trainer.py:277, 313, 347), so after the first
     step the values from before the call are deleted, and after a step that
     failed, the state it was given may be too: a deleted value is never put back,
-    nor one of another shape. Returns what to add to the call's error where a
-    variable is left with neither (else None).
+    nor one of another shape or dtype, nor what is not an array (a custom step
+    that returned its state in another structure). A variable the call made (it
+    built the model) takes the loop's state alone. Returns what to add to the
+    call's error where a variable is left with neither (else None).
     """
     if not snapshot:
         return None
     before, stale = snapshot
     live = lambda value: value is not None and not (  # noqa: E731
         getattr(value, "is_deleted", None) and value.is_deleted())
+    fits = lambda value, variable: (  # noqa: E731 - (a custom step's state may be anything)
+        isinstance(getattr(value, "shape", None), tuple)
+        and tuple(value.shape) == tuple(variable.shape)
+        and keras.backend.standardize_dtype(value.dtype) == variable.dtype)
     latest = {}
     state = model.__dict__.get("_jax_state")
     if state and state is not stale and not model.__dict__.get("_jax_state_synced", True):
@@ -678,13 +684,17 @@ def restore_purged_values(model, snapshot):
                 ("optimizer_variables", optimizer.variables if optimizer is not None else ()),
                 ("metrics_variables", model.metrics_variables)):
             for variable, value in zip(variables, state.get(name) or ()):
-                latest[id(variable)] = value
+                latest[id(variable)] = variable, value
+    # The variables the call made (a model it built, an optimizer's first `fit`)
+    # have no value from before it: the loop's state alone holds theirs.
+    known = {id(variable) for variable, _ in before}
+    made = [(variable, None) for key, (variable, _) in latest.items() if key not in known]
     lost = []
-    for variable, old in before:
+    for variable, old in (*before, *made):
         if live(variable._value):  # (a sync at the loop's end may assign deleted arrays)
             continue
-        value = next((v for v in (latest.get(id(variable)), old)
-                      if live(v) and tuple(v.shape) == tuple(variable.shape)), None)
+        value = next((v for v in (latest.get(id(variable), (None, None))[1], old)
+                      if live(v) and fits(v, variable)), None)
         if value is None:
             lost.append(variable.path)
         else:
