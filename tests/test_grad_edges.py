@@ -1272,6 +1272,43 @@ def test_intermediate_grads_refuses_what_it_cannot_apply():
                                rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.skipif(BACKEND == "jax", reason="JAX refuses custom train_steps with grads")
+def test_a_custom_step_gives_the_gradient_of_what_its_compute_loss_returned():
+    """The gradient is of the value `compute_loss` returned, whatever the step does
+    with it after (here twice it, plus a term of its own), as the README says: the
+    gradient of the step's own loss comes from cs.intermediate_grads in the step."""
+
+    class Doubles(cs.Sequential):
+        def train_step(self, *args):
+            x, y = args[0][:2] if isinstance(args[0], tuple) else args[:2]
+            if BACKEND == "tensorflow":
+                import tensorflow as tf
+
+                with tf.GradientTape() as tape:
+                    y_pred = self(x, training=True)
+                    loss = 2.0 * self.compute_loss(x=x, y=y, y_pred=y_pred)
+                    loss += keras.ops.mean(y_pred ** 2)
+                self.optimizer.apply_gradients(
+                    zip(tape.gradient(loss, self.trainable_variables),
+                        self.trainable_variables))
+            else:
+                self.zero_grad()
+                y_pred = self(x, training=True)
+                loss = 2.0 * self.compute_loss(x=x, y=y, y_pred=y_pred)
+                loss += keras.ops.mean(y_pred ** 2)
+                loss.backward()
+                self.optimizer.apply([v.value.grad for v in self.trainable_variables],
+                                     self.trainable_variables)
+            return {"loss": loss}
+
+    model = _model(Doubles)
+    ref = _reference(model)
+    with cs.capture(model, "m/d?", kinds=("grad",)) as cap:
+        model.train_on_batch(X, Y)
+    for name in ("d1", "d2"):
+        np.testing.assert_allclose(cap[f"m/{name}:grad"], ref[name], rtol=1e-5, atol=1e-7)
+
+
 class _IntermediateGradsStep(cs.Sequential):
     """A train_step that takes its gradients with cs.intermediate_grads (the way
     out of two `compute_loss` calls); the step calls the model only in `loss_fn`."""
