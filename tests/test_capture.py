@@ -490,6 +490,38 @@ def test_calls_whose_rows_differ_in_dtype_are_read_one_by_one(tmp_path, stream):
             np.testing.assert_array_equal(call["net/raw:output"], x)
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["memory", "streamed"])
+def test_a_key_read_over_a_call_that_failed_warns(tmp_path, stream):
+    # The failed predict's 8 rows were joined to the next one's 16 (24 rows for
+    # 32 rows of data), silently; each call alone reads without a warning.
+    class Boom(keras.callbacks.Callback):
+        def on_predict_batch_end(self, batch, logs=None):
+            if batch == 1:
+                raise RuntimeError("boom")
+
+    model = cs.Sequential([keras.Input((2,)), keras.layers.Dense(3, name="d")], name="seq")
+    w, b = (numpy(v) for v in model.get_layer("d").weights)
+    x = np.random.default_rng(0).normal(size=(16, 2)).astype("float32")
+    target = tmp_path / "caps" if stream else None
+    with cs.capture(model, "seq/d", to=target) as cap:
+        with pytest.raises(RuntimeError, match="boom"):
+            model.predict(x, batch_size=4, verbose=0, callbacks=[Boom()])
+        model.predict(x, batch_size=4, verbose=0)
+    for read in [cap] + ([cs.load_capture(target)] if stream else []):
+        assert [c.failed for c in read.calls] == [True, False]
+        with pytest.warns(UserWarning, match=r"`seq/d:output` joins the rows of 2 calls, "
+                                             r"of which cap.calls\[0\] raised"):
+            joined = read["seq/d:output"]
+        np.testing.assert_allclose(joined, np.concatenate([x[:8], x]) @ w + b, rtol=1e-5,
+                                   atol=1e-6)
+        np.testing.assert_allclose(read.calls[0]["seq/d:output"], x[:8] @ w + b, rtol=1e-5,
+                                   atol=1e-6)
+    with cs.capture(model, "seq/d") as alone:
+        with pytest.raises(RuntimeError, match="boom"):
+            model.predict(x, batch_size=4, verbose=0, callbacks=[Boom()])
+    np.testing.assert_allclose(alone["seq/d:output"], x[:8] @ w + b, rtol=1e-5, atol=1e-6)
+
+
 def test_streaming_to_a_file_is_refused_clearly(tmp_path):
     net = _net()
     target = tmp_path / "taken"
