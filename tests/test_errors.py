@@ -1,5 +1,6 @@
 """Bad input gets an error that names what was expected, what was received, and the fix."""
 
+import dataclasses
 import re
 
 import keras
@@ -83,6 +84,50 @@ def test_unhashable_value_names_the_argument(model):
     with pytest.raises(TypeError, match="`debugging`"):
         with cs.context(debugging={"a": 1}):
             model.predict(X, verbose=0)
+
+
+def test_a_bound_method_of_an_object_hashed_by_identity_is_refused():
+    # It is hashed and compared by its object's identity: after `scaler.k = 5`,
+    # JAX and TF ran the function traced for k=2 ([2, 2], no warning).
+    @cs.context_args("act")
+    class Apply(keras.layers.Layer):
+        def call(self, x, act=None):
+            return x if act is None else act(x)
+
+    class Scaler:
+        def __init__(self, k):
+            self.k = k
+
+        def apply(self, t):
+            return t * self.k
+
+    @dataclasses.dataclass(frozen=True)
+    class Frozen:
+        k: float
+
+        def apply(self, t):
+            return t * self.k
+
+        @classmethod
+        def triple(cls, t):
+            return t * 3.0
+
+    inp = keras.Input((2,))
+    model = cs.Model(inp, Apply()(inp))
+    model.register_context_args("act")
+    scaler = Scaler(2.0)
+    refused = (r"`act` is static.*a bound method \(`.*Scaler.apply`\) is keyed by its "
+               r"object, a Scaler, which can change after its trace.*Received: act=")
+    for value in (scaler.apply, (scaler.apply, 1)):
+        with pytest.raises(TypeError, match=refused):
+            model.predict(X, act=value, verbose=0)
+    with pytest.raises(TypeError, match=refused):
+        with cs.context(act=scaler.apply):
+            model.predict(X, verbose=0)
+    # A method of an object hashed by value, and a classmethod, are static values.
+    for value, factor in ((Frozen(2.0).apply, 2.0), (Frozen(5.0).apply, 5.0),
+                          (Frozen.triple, 3.0)):
+        np.testing.assert_allclose(model.predict(X, act=value, verbose=0), X * factor)
 
 
 @pytest.mark.parametrize("value", ["hot", {"a": 1.0}, [1.0, None]])

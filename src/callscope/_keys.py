@@ -99,6 +99,23 @@ def check_static(name: str, value: Any, registered: Callable[[], str] | None = N
             f"`model.register_context_args({name!r}, dynamic=True)`. "
             f"Received: {name}={shown(given)}"
         )
+    if isinstance(value, types.MethodType | types.BuiltinMethodType) and not isinstance(
+            value.__self__, type | types.ModuleType | None):  # (a classmethod, `math.sin`)
+        # A bound method is hashed and compared by its object's identity: it
+        # stands for that object's state, and is static only where that is.
+        try:
+            check_static(name, value.__self__, registered, given)
+        except (TypeError, ValueError):
+            raise TypeError(
+                f"Context argument `{name}` is static{_known(registered)}: its value "
+                "selects a compiled function, and a bound method "
+                f"(`{getattr(value, '__qualname__', value)}`) is keyed by its object, a "
+                f"{type(value.__self__).__name__}, which can change after its trace "
+                "(hashed by identity): the function would still run with the state it "
+                "had then. Pass a function (or a staticmethod) with what it reads as "
+                "its own static values, or make the object a frozen dataclass. "
+                f"Received: {name}={shown(given)}") from None
+        return
     if isinstance(value, STATIC_TYPES + _BY_IDENTITY) or is_tensor_like(value):
         return  # (the latter: a framework's constant, `torch.float32`)
     try:
