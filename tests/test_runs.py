@@ -445,30 +445,47 @@ def _inner():
     return inner
 
 
+@pytest.mark.parametrize("method", ["predict", "evaluate", "fit"])
 @pytest.mark.parametrize("outer_kind", ["keras", "cs_other_name"])
-def test_a_value_outside_the_outer_key_is_an_error_never_frozen(outer_kind):
+def test_a_value_outside_the_outer_key_is_an_error_never_frozen(outer_kind, method):
+    # The outer model has weights (a Dense after the inner model): on JAX, the
+    # refusal inside a plain model's loop left them taken out of the variables,
+    # and the model, the fix the error names included, failed ('NoneType' object
+    # is not callable).
     inner = _inner()
+    head = keras.layers.Dense(1, kernel_initializer="ones", bias_initializer="zeros")
     if outer_kind == "keras":
-        outer = keras.Sequential([keras.Input((1,)), inner])
+        outer = keras.Sequential([keras.Input((1,)), inner, head])
     else:
-        outer = cs.Sequential([keras.Input((1,)), inner])
+        outer = cs.Sequential([keras.Input((1,)), inner, head])
         outer.register_context_args("mode")
+    outer.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
     x = np.zeros((2, 1), "float32")
+
+    def call():
+        if method == "predict":
+            return outer.predict(x, verbose=0)
+        logs = getattr(outer, method)(x, x + 100.0, verbose=0)
+        loss = logs if method == "evaluate" else logs.history["loss"][0]
+        return np.sqrt(loss)  # |output - 100|: 0 with the value, 100 without
+
+    with_value, without = (0.0, 100.0) if method != "predict" else (100.0, 0.0)
     with cs.context(debugging=True):
         if BACKEND == "torch" and outer_kind == "keras":
-            # Keras's torch predict runs eagerly: the inner model reads the value
-            # per call, and nothing is compiled that could freeze it.
-            np.testing.assert_allclose(outer.predict(x, verbose=0), 100.0)
+            # Keras's torch steps run eagerly: the inner model reads the value per
+            # call, and nothing is compiled that could freeze it.
+            np.testing.assert_allclose(call(), with_value)
         else:
             with pytest.raises(Exception, match="register_context_args\\('debugging'\\)"):
-                outer.predict(x, verbose=0)
-    np.testing.assert_allclose(outer.predict(x, verbose=0), 0.0)  # nothing frozen
+                call()
+    np.testing.assert_allclose(call(), without)  # nothing frozen, nothing lost
+    np.testing.assert_array_equal(outer.get_weights()[0], np.ones((1, 1)))
     # The fix the error names works.
     outer = cs.enable(outer)
     outer.register_context_args("debugging")
     with cs.context(debugging=True):
-        np.testing.assert_allclose(outer.predict(x, verbose=0), 100.0)
-    np.testing.assert_allclose(outer.predict(x, verbose=0), 0.0)
+        np.testing.assert_allclose(call(), with_value)
+    np.testing.assert_allclose(call(), without)
 
 
 def _user_compiled(fn):

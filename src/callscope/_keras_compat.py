@@ -709,6 +709,46 @@ def restore_purged_values(model, snapshot):
     return None
 
 
+def put_back_stock_loop_weights() -> None:
+    """JAX: puts the weights that the loop of a plain Keras model's `fit`,
+    `evaluate` or `predict` on this thread's stack took out of its variables back
+    into those still empty, from the state that loop holds (its frame's `state`,
+    3.15.1: backend/jax/trainer.py:453-463, 610-618, 717-723). Called where
+    callscope refuses a call inside such a loop's trace (`cs.StrayValueError`):
+    Keras puts nothing back when its step fails to trace, so the refusal left the
+    plain model, and the callscope model inside it, without weights for good
+    ('NoneType' object is not callable), the refusal's own fix (`cs.enable` it)
+    included. A callscope model's loop puts back its own (`restore_purged_values`).
+    A step that failed to trace donated nothing, and Keras's sync at the loop's end
+    assigns over what this put back, should the loop go on."""
+    if keras.backend.backend() != "jax":
+        return
+    from keras.src.backend.jax.trainer import JAXTrainer
+
+    kinds = {inspect.unwrap(method).__code__: kind for method, kind in (
+        (JAXTrainer.fit, "train"), (JAXTrainer.evaluate, "test"),
+        (JAXTrainer.predict, "predict"))}  # (under Keras's `filter_traceback`)
+    frame = sys._getframe(1)
+    while frame is not None:
+        kind = kinds.get(frame.f_code)
+        model = frame.f_locals.get("self") if kind else None
+        state = frame.f_locals.get("state") if kind else None
+        if model is not None and "_cs" not in model.__dict__ and isinstance(state, tuple):
+            optimizer = getattr(model, "optimizer", None)
+            parts = {"trainable_variables": model.trainable_variables,
+                     "non_trainable_variables": model.non_trainable_variables,
+                     "optimizer_variables": optimizer.variables if optimizer else (),
+                     "metrics_variables": model.metrics_variables}
+            for name, values in zip(_STATE_PARTS[kind], state):
+                for variable, value in zip(parts[name], values):
+                    if (variable._value is None and isinstance(getattr(value, "shape", None),
+                                                               tuple)
+                            and tuple(value.shape) == tuple(variable.shape)
+                            and not value.is_deleted()):
+                        variable._value = value
+        frame = frame.f_back
+
+
 def eval_iterator(model):
     """fit's cached validation iterator (`_eval_epoch_iterator`, 3.15.1:
     backend/*/trainer.py fit): one per model, so a call that pauses parks it."""

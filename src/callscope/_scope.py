@@ -161,6 +161,8 @@ class StrayValueError(RuntimeError):
     def __init__(self, *args):
         super().__init__(*args)
         _refused_here()
+        # (A refusal inside a plain Keras model's loop, on JAX, left it without weights.)
+        _keras_compat.put_back_stock_loop_weights()
 
 
 def _refused_here() -> None:
