@@ -592,6 +592,26 @@ def test_import_registers_the_custom_objects_a_file_needs(saved, tmp_path, monke
     _one_line_error(run_here("inspect", tmp_path / "net.keras", "--data", data,
                              "--import", "missing.py"), 1,
                     "--import missing.py: no such file")
+    # The file's own imports: from its folder, and its own failures are its own.
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "helpers.py").write_text(MODELS_PY)
+    (tmp_path / "lib" / "uses_helpers.py").write_text("from helpers import Net  # noqa\n")
+    forget()
+    proc = run_here("inspect", tmp_path / "net.keras", "--data", data, "--json",
+                    "--import", str(tmp_path / "lib" / "uses_helpers.py"))
+    assert proc.returncode == 0, proc.stderr
+    (tmp_path / "lib" / "needs.py").write_text("import not_installed_anywhere\n")
+    _one_line_error(run_here("inspect", tmp_path / "net.keras", "--data", data,
+                             "--import", str(tmp_path / "lib" / "needs.py")), 1,
+                    "needs.py raised ModuleNotFoundError: No module named "
+                    "'not_installed_anywhere'")
+    for exits in ("import sys; sys.exit(0)", "import argparse\n"
+                  "argparse.ArgumentParser().add_argument('--epochs', required=True)\n"
+                  "argparse.ArgumentParser(prog='train').parse_args(['--nope'])"):
+        (tmp_path / "train.py").write_text(exits + "\n")
+        _one_line_error(run_here("inspect", tmp_path / "net.keras", "--data", data,
+                                 "--import", "train.py"), 1,
+                        "--import train.py exited (SystemExit: ", "__main__")
     (tmp_path / "json.py").write_text("raise AssertionError('ran')\n")
     _one_line_error(run_here("inspect", tmp_path / "net.keras", "--data", data,
                              "--import", "json.py"), 1,

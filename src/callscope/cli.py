@@ -160,8 +160,9 @@ def _load_model(path, unsafe, imports=()):
 
 def _import(names):
     """Imports each of `names` (`--import`): a module found from the current
-    directory, or a `.py` file run as a module named after it, so that the custom
-    objects it registers are there when the model loads."""
+    directory, or a `.py` file run as a module named after it (its folder on the
+    path, for its own imports), so that the custom objects it registers are there
+    when the model loads. What it raises, or a `sys.exit` in it, is one line."""
     import importlib
     import importlib.util
 
@@ -177,6 +178,9 @@ def _import(names):
                     raise InputError(
                         f"--import {name}: a module named {module_name} is already "
                         "imported here, which this file would replace; rename the file")
+                folder = os.path.dirname(os.path.abspath(name))
+                if folder not in sys.path:  # (what `python file.py` gives its imports;
+                    sys.path.append(folder)  # last, as below)
                 spec = importlib.util.spec_from_file_location(module_name, name)
                 module = importlib.util.module_from_spec(spec)
                 sys.modules[module_name] = module  # (as an import would: dataclasses, pickle)
@@ -193,9 +197,18 @@ def _import(names):
         except InputError:
             raise
         except ModuleNotFoundError as error:
+            if not name.endswith(".py") and error.name and (
+                    name == error.name or name.startswith(error.name + ".")):
+                raise InputError(
+                    f"--import {name}: {error} (give a module importable from the current "
+                    "directory, such as mypkg.models, or the path of a .py file)") from None
+            raise InputError(f"--import {name} raised ModuleNotFoundError: "
+                             f"{_first_line(str(error))}") from None  # (the module's own)
+        except SystemExit as error:  # (a script that parses its arguments as it loads)
             raise InputError(
-                f"--import {name}: {error} (give a module importable from the current "
-                "directory, such as mypkg.models, or the path of a .py file)") from None
+                f"--import {name} exited (SystemExit: {error.code}) as it ran: put the "
+                "script's own code under `if __name__ == \"__main__\":`, or import the "
+                "module that defines the custom objects") from None
         except Exception as error:  # noqa: BLE001 - the user's code: its error, one line
             raise InputError(f"--import {name} raised {type(error).__name__}: "
                              f"{_first_line(str(error))}") from None
