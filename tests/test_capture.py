@@ -509,6 +509,8 @@ def test_a_key_read_over_a_call_that_failed_warns(tmp_path, stream):
         model.predict(x, batch_size=4, verbose=0)
     for read in [cap] + ([cs.load_capture(target)] if stream else []):
         assert [c.failed for c in read.calls] == [True, False]
+        # Membership and `get` read nothing, and say nothing (they warned).
+        assert "seq/d:output" in read and "typo" not in read and read.get("typo") is None
         with pytest.warns(UserWarning, match=r"`seq/d:output` joins the rows of 2 calls, "
                                              r"of which cap.calls\[0\] raised"):
             joined = read["seq/d:output"]

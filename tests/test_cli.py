@@ -3,6 +3,7 @@ one bad input gives runs its `main` in this process: `run_here`)."""
 
 import contextlib
 import csv
+import importlib.util
 import io
 import json
 import os
@@ -556,8 +557,19 @@ def test_import_registers_the_custom_objects_a_file_needs(saved, tmp_path, monke
     statistics are those of the model in-process; bad imports are one-line errors."""
     _, _, x = saved
     (tmp_path / "cli_models.py").write_text(MODELS_PY)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    import cli_models
+    monkeypatch.setattr(sys, "path", list(sys.path))  # (what --import adds, undone)
+    for name in ("cli_models", "helpers", "uses_helpers", "needs", "train", "broken",
+                 "uses_sibling", "tabnanny"):
+        if name not in sys.modules:  # (the modules it runs: gone after the test)
+            monkeypatch.setitem(sys.modules, name, None)
+            monkeypatch.delitem(sys.modules, name)
+    registry = keras.saving.get_custom_objects()
+    for key in ("cli_import_test>Net", "cli_import_test>Scale"):
+        monkeypatch.setitem(registry, key, None)
+        monkeypatch.delitem(registry, key)
+    spec = importlib.util.spec_from_file_location("cli_models", tmp_path / "cli_models.py")
+    cli_models = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli_models)  # (not on the path: --import must put it there)
 
     keras.utils.set_random_seed(1)
     net = cli_models.Net(name="net")
@@ -612,6 +624,22 @@ def test_import_registers_the_custom_objects_a_file_needs(saved, tmp_path, monke
         _one_line_error(run_here("inspect", tmp_path / "net.keras", "--data", data,
                                  "--import", "train.py"), 1,
                         "--import train.py exited (SystemExit: ", "__main__")
+    # The file's folder comes first, as for `python file.py`: a sibling named like
+    # a module not imported yet (tabnanny, of the standard library) is the sibling.
+    if "tabnanny" not in sys.modules:
+        (tmp_path / "lib" / "tabnanny.py").write_text("HELPER = 'the sibling'\n")
+        (tmp_path / "lib" / "uses_sibling.py").write_text(
+            "import tabnanny\nassert tabnanny.HELPER == 'the sibling'\n" + MODELS_PY)
+        forget()
+        proc = run_here("inspect", tmp_path / "net.keras", "--data", data, "--json",
+                        "--import", str(tmp_path / "lib" / "uses_sibling.py"))
+        assert proc.returncode == 0, proc.stderr
+    # Imported, yet registering nothing under the saved name.
+    (tmp_path / "empty.py").write_text("")
+    forget()
+    _one_line_error(run_here("inspect", tmp_path / "net.keras", "--data", data,
+                             "--import", "empty.py"), 1,
+                    "that the modules given to --import (empty.py) did not register")
     (tmp_path / "json.py").write_text("raise AssertionError('ran')\n")
     _one_line_error(run_here("inspect", tmp_path / "net.keras", "--data", data,
                              "--import", "json.py"), 1,

@@ -2,6 +2,7 @@
 
 import dataclasses
 import re
+import typing
 
 import keras
 import numpy as np
@@ -104,8 +105,10 @@ def test_a_bound_method_of_an_object_hashed_by_identity_is_refused():
     @dataclasses.dataclass(frozen=True)
     class Frozen:
         k: float
+        runs: typing.ClassVar[list] = [0]
 
         def apply(self, t):
+            self.runs[0] += 1
             return t * self.k
 
         @classmethod
@@ -124,10 +127,18 @@ def test_a_bound_method_of_an_object_hashed_by_identity_is_refused():
     with pytest.raises(TypeError, match=refused):
         with cs.context(act=scaler.apply):
             model.predict(X, verbose=0)
-    # A method of an object hashed by value, and a classmethod, are static values.
-    for value, factor in ((Frozen(2.0).apply, 2.0), (Frozen(5.0).apply, 5.0),
-                          (Frozen.triple, 3.0)):
+    # A method of an object hashed by value, and a classmethod, are static values;
+    # methods of equal objects share one trace (a method compares its object by
+    # identity: each new Frozen(2.0) traced again).
+    runs = []  # Python runs of Frozen.apply: one per trace on JAX and TF
+    for value, factor in ((Frozen(2.0).apply, 2.0), (Frozen(2.0).apply, 2.0),
+                          (Frozen(5.0).apply, 5.0), (Frozen.triple, 3.0)):
         np.testing.assert_allclose(model.predict(X, act=value, verbose=0), X * factor)
+        runs.append(Frozen.runs[0])
+    assert runs[1] == (runs[0] * 2 if BACKEND == "torch" else runs[0]), runs
+    # The NaN inside a method's object is refused as NaN.
+    with pytest.raises(ValueError, match="NaN cannot select a compiled function"):
+        model.predict(X, act=Frozen(float("nan")).apply, verbose=0)
 
 
 @pytest.mark.parametrize("value", ["hot", {"a": 1.0}, [1.0, None]])

@@ -212,15 +212,20 @@ class Capture(Mapping):
         if not top:
             raise KeyError(f"{key!r} was not captured: no call in this capture recorded "
                            "anything yet")
+        value = _sinks.read(top, key)
         failed = [i for i, call in enumerate(self.calls)
-                  if call.failed and any(call is t for t in top)]
+                  if call.failed and key in call._names() and any(call is t for t in top)]
         if failed and len(top) > 1:  # (its rows stop early: the joined rows would not
             # line up with the calls' data, and nothing else would say so)
             warnings.warn(
                 f"cs.capture: `{key}` joins the rows of {len(top)} calls, of which "
                 f"cap.calls{failed} raised (its rows stop at the last step that ran). "
                 "Read each call from `cap.calls[i][key]`.", stacklevel=2)
-        return _sinks.read(top, key)
+        return value
+
+    def __contains__(self, key) -> bool:
+        # (Mapping's reads the key: every row joined, and a failed call's warning)
+        return key in self._names()
 
     def hist_edges(self, key: str) -> np.ndarray:
         """The bin edges of a `.../hist` key (the calls of one kind share them)."""

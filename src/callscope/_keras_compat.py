@@ -668,21 +668,10 @@ def restore_purged_values(model, snapshot):
     if not snapshot:
         return None
     before, stale = snapshot
-    live = lambda value: value is not None and not (  # noqa: E731
-        getattr(value, "is_deleted", None) and value.is_deleted())
-    fits = lambda value, variable: (  # noqa: E731 - (a custom step's state may be anything)
-        isinstance(getattr(value, "shape", None), tuple)
-        and tuple(value.shape) == tuple(variable.shape)
-        and keras.backend.standardize_dtype(value.dtype) == variable.dtype)
     latest = {}
     state = model.__dict__.get("_jax_state")
     if state and state is not stale and not model.__dict__.get("_jax_state_synced", True):
-        optimizer = getattr(model, "optimizer", None)
-        for name, variables in (
-                ("trainable_variables", model.trainable_variables),
-                ("non_trainable_variables", model.non_trainable_variables),
-                ("optimizer_variables", optimizer.variables if optimizer is not None else ()),
-                ("metrics_variables", model.metrics_variables)):
+        for name, variables in _state_variables(model).items():
             for variable, value in zip(variables, state.get(name) or ()):
                 latest[id(variable)] = variable, value
     # The variables the call made (a model it built, an optimizer's first `fit`)
@@ -691,10 +680,10 @@ def restore_purged_values(model, snapshot):
     made = [(variable, None) for key, (variable, _) in latest.items() if key not in known]
     lost = []
     for variable, old in (*before, *made):
-        if live(variable._value):  # (a sync at the loop's end may assign deleted arrays)
+        if _live(variable._value):  # (a sync at the loop's end may assign deleted arrays)
             continue
         value = next((v for v in (latest.get(id(variable), (None, None))[1], old)
-                      if live(v) and fits(v, variable)), None)
+                      if _fits(v, variable)), None)
         if value is None:
             lost.append(variable.path)
         else:
@@ -707,6 +696,28 @@ def restore_purged_values(model, snapshot):
                 "that did not finish. Reload the weights (e.g. `model.load_weights(...)`) "
                 f"before using the model again. Variables without a value: {lost[:5]}")
     return None
+
+
+def _state_variables(model) -> dict:
+    """The variables of each part of a JAX step's state (`_STATE_PARTS`), by name."""
+    optimizer = getattr(model, "optimizer", None)
+    return {"trainable_variables": model.trainable_variables,
+            "non_trainable_variables": model.non_trainable_variables,
+            "optimizer_variables": optimizer.variables if optimizer is not None else (),
+            "metrics_variables": model.metrics_variables}
+
+
+def _live(value) -> bool:
+    return value is not None and not (
+        getattr(value, "is_deleted", None) and value.is_deleted())
+
+
+def _fits(value, variable) -> bool:
+    """`value` can be `variable`'s: a live array of its shape and dtype (a custom
+    step's state may be anything)."""
+    return (_live(value) and isinstance(getattr(value, "shape", None), tuple)
+            and tuple(value.shape) == tuple(variable.shape)
+            and keras.backend.standardize_dtype(value.dtype) == variable.dtype)
 
 
 def put_back_stock_loop_weights() -> None:
@@ -734,17 +745,10 @@ def put_back_stock_loop_weights() -> None:
         model = frame.f_locals.get("self") if kind else None
         state = frame.f_locals.get("state") if kind else None
         if model is not None and "_cs" not in model.__dict__ and isinstance(state, tuple):
-            optimizer = getattr(model, "optimizer", None)
-            parts = {"trainable_variables": model.trainable_variables,
-                     "non_trainable_variables": model.non_trainable_variables,
-                     "optimizer_variables": optimizer.variables if optimizer else (),
-                     "metrics_variables": model.metrics_variables}
+            parts = _state_variables(model)
             for name, values in zip(_STATE_PARTS[kind], state):
                 for variable, value in zip(parts[name], values):
-                    if (variable._value is None and isinstance(getattr(value, "shape", None),
-                                                               tuple)
-                            and tuple(value.shape) == tuple(variable.shape)
-                            and not value.is_deleted()):
+                    if variable._value is None and _fits(value, variable):
                         variable._value = value
         frame = frame.f_back
 

@@ -99,13 +99,14 @@ def check_static(name: str, value: Any, registered: Callable[[], str] | None = N
             f"`model.register_context_args({name!r}, dynamic=True)`. "
             f"Received: {name}={shown(given)}"
         )
-    if isinstance(value, types.MethodType | types.BuiltinMethodType) and not isinstance(
-            value.__self__, type | types.ModuleType | None):  # (a classmethod, `math.sin`)
-        # A bound method is hashed and compared by its object's identity: it
-        # stands for that object's state, and is static only where that is.
-        try:
-            check_static(name, value.__self__, registered, given)
-        except (TypeError, ValueError):
+    if _bound_to_an_object(value):
+        # A bound method stands for its object's state: it is static where that
+        # is, and keyed by it (`freeze`).
+        owner = value.__self__
+        if not (type(owner).__hash__ is object.__hash__ and not _is_dataclass(owner)
+                and not isinstance(owner, _BY_IDENTITY)):
+            check_static(name, owner, registered, given)
+        else:
             raise TypeError(
                 f"Context argument `{name}` is static{_known(registered)}: its value "
                 "selects a compiled function, and a bound method "
@@ -114,7 +115,7 @@ def check_static(name: str, value: Any, registered: Callable[[], str] | None = N
                 "(hashed by identity): the function would still run with the state it "
                 "had then. Pass a function (or a staticmethod) with what it reads as "
                 "its own static values, or make the object a frozen dataclass. "
-                f"Received: {name}={shown(given)}") from None
+                f"Received: {name}={shown(given)}")
         return
     if isinstance(value, STATIC_TYPES + _BY_IDENTITY) or is_tensor_like(value):
         return  # (the latter: a framework's constant, `torch.float32`)
@@ -185,10 +186,21 @@ def freeze(value: Any) -> Any:
     if _is_dataclass(value):
         return (kind, tuple((field.name, freeze(getattr(value, field.name)))
                             for field in _compared(value)))
+    if _bound_to_an_object(value):  # (it compares its object by identity: equal frozen
+        # dataclasses' methods were two keys, a trace per new object)
+        return (kind, type(value.__self__), freeze(value.__self__),
+                getattr(value, "__func__", value.__name__))
     return (kind, value)
 
 
 _NAMEDTUPLE = "namedtuple"  # a frozen namedtuple's kind: (_NAMEDTUPLE, module, name, fields)
+
+
+def _bound_to_an_object(value: Any) -> bool:
+    """A bound method (Python's or a builtin's) of an instance: not a
+    classmethod's class, nor a module's function (`math.sin`)."""
+    return (isinstance(value, types.MethodType | types.BuiltinMethodType)
+            and not isinstance(value.__self__, type | types.ModuleType | None))
 
 
 def _is_dataclass(value: Any) -> bool:

@@ -141,6 +141,12 @@ def _load_model(path, unsafe, imports=()):
         raise InputError(f"{path} is not a loadable Keras model: {_first_line(text)}") from None
     except Exception as error:  # zip, h5 and json errors all mean "not a .keras file"
         missing = re.search(r"Could not locate (?:class|function) '([^']+)'", str(error))
+        if missing and imports:  # (imported, yet not registered under that name)
+            raise InputError(
+                f"{path} holds a custom object `{missing.group(1)}` that the modules given "
+                f"to --import ({', '.join(imports)}) did not register: register it with "
+                "`@keras.saving.register_keras_serializable(package=...)` under the "
+                "package and name it was saved with, or --import the module that does") from None
         if missing:  # (a subclassed model, or a custom layer: their code is not here)
             raise InputError(
                 f"{path} holds a custom object `{missing.group(1)}` whose code this "
@@ -174,13 +180,13 @@ def _import(names):
                 module_name = os.path.splitext(os.path.basename(name))[0]
                 known = getattr(sys.modules.get(module_name), "__file__", None)
                 if module_name in sys.modules and not (
-                        known and os.path.samefile(known, name)):
+                        known and os.path.realpath(known) == os.path.realpath(name)):
                     raise InputError(
                         f"--import {name}: a module named {module_name} is already "
                         "imported here, which this file would replace; rename the file")
                 folder = os.path.dirname(os.path.abspath(name))
-                if folder not in sys.path:  # (what `python file.py` gives its imports;
-                    sys.path.append(folder)  # last, as below)
+                if folder not in sys.path:  # (first, as `python file.py` puts it: its
+                    sys.path.insert(0, folder)  # own modules before installed ones)
                 spec = importlib.util.spec_from_file_location(module_name, name)
                 module = importlib.util.module_from_spec(spec)
                 sys.modules[module_name] = module  # (as an import would: dataclasses, pickle)
@@ -191,8 +197,8 @@ def _import(names):
                     raise
             else:
                 if os.getcwd() not in sys.path and "" not in sys.path:
-                    sys.path.append(os.getcwd())  # (the script's path lacks it; last: no
-                    # file here shadows a module callscope or Keras imports later)
+                    sys.path.insert(0, os.getcwd())  # (first, as `python -m` puts it;
+                    # the script's path lacks it)
                 importlib.import_module(name)
         except InputError:
             raise
