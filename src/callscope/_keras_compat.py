@@ -725,7 +725,8 @@ def put_back_stock_loop_weights() -> None:
     `evaluate` or `predict` on this thread's stack took out of its variables back
     into those still empty, from the state that loop holds (its frame's `state`,
     3.15.1: backend/jax/trainer.py:453-463, 610-618, 717-723). Called where
-    callscope refuses a call inside such a loop's trace (`cs.StrayValueError`):
+    callscope refuses a call inside such a loop's trace (`cs.StrayValueError`, a
+    capture or patch of a model called in a function it did not compile):
     Keras puts nothing back when its step fails to trace, so the refusal left the
     plain model, and the callscope model inside it, without weights for good
     ('NoneType' object is not callable), the refusal's own fix (`cs.enable` it)

@@ -284,6 +284,8 @@ class ContextMixin(Engine, _keras_compat.LossHook, *_JAX_HOOKS):
             # a callback's `jax.jit` of the model between steps is refused below.)
             return (), ()
         if tracing:
+            # (On JAX, inside a plain model's loop, which took its weights out.)
+            _keras_compat.put_back_stock_loop_weights()
             raise RuntimeError(_OUTSIDE_COMPILE.format(
                 what="cs.capture" if captures else "cs.patch", model=type(self).__name__))
         return captures, patches
