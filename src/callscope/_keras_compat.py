@@ -50,6 +50,7 @@ REQUIRED_ATTRIBUTES = (
         (keras.Model, "compute_loss_and_updates"),  # backend/jax/trainer.py:60
         (keras.Model, "jax_state_sync"),  # backend/jax/trainer.py:880
         (keras.Model, "_jax_state_synced"),  # instance attr, backend/jax/trainer.py:37
+        (keras.Model, "_get_jax_state"),  # backend/jax/trainer.py:1039
     )
     if keras.backend.backend() == "jax" else ()
 )
@@ -720,6 +721,17 @@ def _fits(value, variable) -> bool:
             and keras.backend.standardize_dtype(value.dtype) == variable.dtype)
 
 
+@functools.cache
+def _jax_loops() -> dict:
+    """The code objects of the JAX trainer's `fit`, `evaluate` and `predict`, to
+    the kind of their steps. The trainer is found as the class of `keras.Model`'s
+    bases that defines `_get_jax_state` (3.15.1 names it `JAXTrainer`, 3.16's
+    nightly `Trainer`); each method unwrapped from Keras's `filter_traceback`."""
+    trainer = next(k for k in keras.Model.__mro__ if "_get_jax_state" in vars(k))
+    return {inspect.unwrap(vars(trainer)[name]).__code__: kind for name, kind in (
+        ("fit", "train"), ("evaluate", "test"), ("predict", "predict"))}
+
+
 def put_back_stock_loop_weights() -> None:
     """JAX: puts the weights that the loop of a plain Keras model's `fit`,
     `evaluate` or `predict` on this thread's stack took out of its variables back
@@ -735,11 +747,7 @@ def put_back_stock_loop_weights() -> None:
     assigns over what this put back, should the loop go on."""
     if keras.backend.backend() != "jax":
         return
-    from keras.src.backend.jax.trainer import JAXTrainer
-
-    kinds = {inspect.unwrap(method).__code__: kind for method, kind in (
-        (JAXTrainer.fit, "train"), (JAXTrainer.evaluate, "test"),
-        (JAXTrainer.predict, "predict"))}  # (under Keras's `filter_traceback`)
+    kinds = _jax_loops()
     frame = sys._getframe(1)
     while frame is not None:
         kind = kinds.get(frame.f_code)
