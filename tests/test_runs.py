@@ -519,6 +519,44 @@ def test_a_scope_refused_in_a_plain_outer_models_loop_leaves_its_weights(scope, 
     assert inner.predict(x, verbose=0).shape == (4, 3)
 
 
+@pytest.mark.skipif(BACKEND == "torch", reason="Keras's torch steps run eagerly: no refusal")
+def test_a_refusal_at_a_later_step_of_a_plain_models_predict_leaves_nothing_to_sync():
+    # The refusal came at predict's second step (its first ran a cached trace):
+    # on JAX the loop's state of that first step stayed on the model, unsynced,
+    # and the next `Callback.model` synced it over the weights set since: the fit
+    # trained from the old weights, silently.
+    x = np.random.default_rng(0).normal(size=(12, 5)).astype("float32")
+    y = np.random.default_rng(1).normal(size=(12, 2)).astype("float32")
+
+    def make():
+        keras.utils.set_random_seed(6)
+        inner_in = keras.Input((5,))
+        inner = keras.Model(inner_in, keras.layers.Dense(4)(inner_in), name="enc")
+        outer_in = keras.Input((5,))
+        outer = keras.Model(outer_in, keras.layers.Dense(2)(inner(outer_in)))
+        outer.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+        return outer, inner
+
+    class Touches(keras.callbacks.Callback):  # (reading self.model syncs on JAX)
+        def on_train_begin(self, logs=None):
+            assert self.model.name
+
+    outer, inner = make()
+    outer.predict(x, batch_size=4, verbose=0)  # (its batch-of-4 step, traced)
+    cs.enable(inner)
+    with cs.capture(inner, "*"):
+        with pytest.raises(RuntimeError, match="cannot record or intervene inside"):
+            outer.predict(x[:6], batch_size=4, verbose=0)  # (the 2-row step traces)
+    new = [w + 1.0 for w in outer.get_weights()]
+    outer.set_weights(new)
+    twin, _ = make()
+    twin.set_weights(new)
+    for model in (outer, twin):
+        model.fit(x, y, batch_size=4, shuffle=False, verbose=0, callbacks=[Touches()])
+    for got, want in zip(outer.get_weights(), twin.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
 def _user_compiled(fn):
     if BACKEND == "jax":
         import jax

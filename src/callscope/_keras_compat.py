@@ -743,8 +743,9 @@ def put_back_stock_loop_weights() -> None:
     plain model, and the callscope model inside it, without weights for good
     ('NoneType' object is not callable), the refusal's own fix (`cs.enable` it)
     included. A callscope model's loop puts back its own (`restore_purged_values`).
-    A step that failed to trace donated nothing, and Keras's sync at the loop's end
-    assigns over what this put back, should the loop go on."""
+    A step that failed to trace donated nothing. The loop's state is marked
+    synced: a loop that goes on (the refusal caught in a callback) reads it from
+    the variables again, and nothing stale is synced over weights set later."""
     if keras.backend.backend() != "jax":
         return
     try:
@@ -760,11 +761,17 @@ def _put_back_stock_loop_weights(frame) -> None:
         model = frame.f_locals.get("self") if kind else None
         state = frame.f_locals.get("state") if kind else None
         if model is not None and "_cs" not in model.__dict__ and isinstance(state, tuple):
-            parts = _state_variables(model)
+            parts, put = _state_variables(model), False
             for name, values in zip(_STATE_PARTS[kind], state):
                 for variable, value in zip(parts[name], values):
                     if variable._value is None and _fits(value, variable):
-                        variable._value = value
+                        variable._value, put = value, True
+            if put:  # The variables hold the loop's state now: nothing to sync. (A
+                # loop state kept unsynced, from a step of this loop, was written over
+                # weights set later by the next `Callback.model`'s sync; a loop that
+                # goes on reads its state from the variables again.)
+                model.__dict__["_jax_state"] = None
+                model.__dict__["_jax_state_synced"] = True
         frame = frame.f_back
 
 
