@@ -520,7 +520,7 @@ def test_a_scope_refused_in_a_plain_outer_models_loop_leaves_its_weights(scope, 
 
 
 @pytest.mark.skipif(BACKEND == "torch", reason="Keras's torch steps run eagerly: no refusal")
-def test_a_refusal_at_a_later_step_of_a_plain_models_predict_leaves_nothing_to_sync():
+def test_a_refusal_at_a_later_step_of_a_plain_models_call_leaves_nothing_to_sync():
     # The refusal came at predict's second step (its first ran a cached trace):
     # on JAX the loop's state of that first step stayed on the model, unsynced,
     # and the next `Callback.model` synced it over the weights set since: the fit
@@ -541,20 +541,27 @@ def test_a_refusal_at_a_later_step_of_a_plain_models_predict_leaves_nothing_to_s
         def on_train_begin(self, logs=None):
             assert self.model.name
 
-    outer, inner = make()
-    outer.predict(x, batch_size=4, verbose=0)  # (its batch-of-4 step, traced)
-    cs.enable(inner)
-    with cs.capture(inner, "*"):
-        with pytest.raises(RuntimeError, match="cannot record or intervene inside"):
-            outer.predict(x[:6], batch_size=4, verbose=0)  # (the 2-row step traces)
-    new = [w + 1.0 for w in outer.get_weights()]
-    outer.set_weights(new)
-    twin, _ = make()
-    twin.set_weights(new)
-    for model in (outer, twin):
-        model.fit(x, y, batch_size=4, shuffle=False, verbose=0, callbacks=[Touches()])
-    for got, want in zip(outer.get_weights(), twin.get_weights()):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    # The same for a *_on_batch call refused at its second shape: its first left
+    # its state behind, and the refused one marked it unsynced.
+    calls = {"predict": lambda n: outer.predict(x[:n], batch_size=4, verbose=0),
+             "predict_on_batch": lambda n: outer.predict_on_batch(x[:n]),
+             "test_on_batch": lambda n: outer.test_on_batch(x[:n], y[:n]),
+             "train_on_batch": lambda n: outer.train_on_batch(x[:n], y[:n])}
+    for method, call in calls.items():
+        outer, inner = make()
+        call(4 if method != "predict" else 12)  # (its batch-of-4 step, traced)
+        cs.enable(inner)
+        with cs.capture(inner, "*"):
+            with pytest.raises(RuntimeError, match="cannot record or intervene inside"):
+                call(6 if method == "predict" else 2)  # (a 2-row step traces)
+        new = [w + 1.0 for w in outer.get_weights()]
+        outer.set_weights(new)
+        twin, _ = make()
+        twin.set_weights(new)
+        for model in (outer, twin):
+            model.fit(x, y, batch_size=4, shuffle=False, verbose=0, callbacks=[Touches()])
+        for got, want in zip(outer.get_weights(), twin.get_weights()):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=method)
 
 
 def _user_compiled(fn):

@@ -196,6 +196,32 @@ def test_a_step_that_fails_leaves_the_weights_of_a_model_the_call_built(dynamic,
     np.testing.assert_array_equal(model.get_weights()[0], np.ones((3, 1)))
 
 
+class TouchesTheModel(keras.callbacks.Callback):
+    def on_train_begin(self, logs=None):
+        assert self.model.name  # (reading self.model syncs the loop state on JAX)
+
+
+@pytest.mark.parametrize("method", ["train_on_batch", "test_on_batch", "predict_on_batch"])
+def test_weights_set_after_a_failed_on_batch_call_are_the_ones_fit_trains(method):
+    # JAX: a failed *_on_batch call left the earlier call's loop state unsynced
+    # (stock Keras does too), and fit's first Callback.model synced it over the
+    # weights set since: fit trained from the old weights, silently.
+    x = np.random.default_rng(0).normal(size=(12, 2)).astype("float32")
+    y = x.sum(axis=1, keepdims=True)
+    model, twin = _two_dense(), _two_dense()
+    args = (lambda rows: (rows,)) if method == "predict_on_batch" else (
+        lambda rows: (rows, y[:len(rows)]))
+    getattr(model, method)(*args(x[:4]))
+    with pytest.raises(Exception):  # noqa: B017 - (each backend's own error)
+        getattr(model, method)(*args(np.ones((4, 7), "float32")))  # (the wrong width)
+    new = [w + 1.0 for w in model.get_weights()]
+    for each in (model, twin):
+        each.set_weights(new)
+        each.fit(x, y, batch_size=4, shuffle=False, verbose=0, callbacks=[TouchesTheModel()])
+    for got, want in zip(model.get_weights(), twin.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+
+
 @keras.saving.register_keras_serializable(package="callscope_tests")
 class CustomCompile(cs.Model):
     def __init__(self, **kwargs):

@@ -729,7 +729,27 @@ def _jax_loops() -> dict:
     nightly `Trainer`); each method unwrapped from Keras's `filter_traceback`."""
     trainer = next(k for k in keras.Model.__mro__ if "_get_jax_state" in vars(k))
     return {inspect.unwrap(vars(trainer)[name]).__code__: kind for name, kind in (
-        ("fit", "train"), ("evaluate", "test"), ("predict", "predict"))}
+        ("fit", "train"), ("evaluate", "test"), ("predict", "predict"),
+        *((name, "on_batch") for name in _ON_BATCH))}
+
+
+_ON_BATCH = ("train_on_batch", "test_on_batch", "predict_on_batch")
+
+
+def settle_failed_on_batch(model, method: str) -> None:
+    """JAX: after a `*_on_batch` call of `model` that raised, drops its loop state
+    and marks it synced. Those methods mark the state unsynced before their step
+    and sync it only after (3.15.1: backend/jax/trainer.py:786, 834, 865), and
+    never purge: the variables hold the weights, and `_jax_state` is an earlier
+    call's. Left unsynced, the next `Callback.model` synced it over the weights
+    set since (`set_weights`), silently; stock Keras does so too. A step that ran
+    and donated the variables' arrays before the failure keeps its state."""
+    if (keras.backend.backend() != "jax" or method not in _ON_BATCH
+            or model.__dict__.get("_jax_state_synced", True)):
+        return
+    if all(_live(variable._value) for variable in model.variables):
+        model.__dict__["_jax_state"] = None
+        model.__dict__["_jax_state_synced"] = True
 
 
 def put_back_stock_loop_weights() -> None:
@@ -760,7 +780,10 @@ def _put_back_stock_loop_weights(frame) -> None:
         kind = kinds.get(frame.f_code)
         model = frame.f_locals.get("self") if kind else None
         state = frame.f_locals.get("state") if kind else None
-        if model is not None and "_cs" not in model.__dict__ and isinstance(state, tuple):
+        if kind == "on_batch" and model is not None and "_cs" not in model.__dict__:
+            settle_failed_on_batch(model, frame.f_code.co_name)
+        elif (model is not None and "_cs" not in model.__dict__
+              and isinstance(state, tuple)):
             parts, put = _state_variables(model), False
             for name, values in zip(_STATE_PARTS[kind], state):
                 for variable, value in zip(parts[name], values):
