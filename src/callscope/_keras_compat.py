@@ -724,9 +724,10 @@ def _fits(value, variable) -> bool:
 @functools.cache
 def _jax_loops() -> dict:
     """The code objects of the JAX trainer's `fit`, `evaluate` and `predict`, to
-    the kind of their steps. The trainer is found as the class of `keras.Model`'s
-    bases that defines `_get_jax_state` (3.15.1 names it `JAXTrainer`, 3.16's
-    nightly `Trainer`); each method unwrapped from Keras's `filter_traceback`."""
+    the kind of their steps, and of its `*_on_batch` methods, to "on_batch". The
+    trainer is found as the class of `keras.Model`'s bases that defines
+    `_get_jax_state` (3.15.1 names it `JAXTrainer`, 3.16's nightly `Trainer`);
+    each method unwrapped from Keras's `filter_traceback`."""
     trainer = next(k for k in keras.Model.__mro__ if "_get_jax_state" in vars(k))
     return {inspect.unwrap(vars(trainer)[name]).__code__: kind for name, kind in (
         ("fit", "train"), ("evaluate", "test"), ("predict", "predict"),
@@ -765,7 +766,9 @@ def put_back_stock_loop_weights() -> None:
     included. A callscope model's loop puts back its own (`restore_purged_values`).
     A step that failed to trace donated nothing. The loop's state is marked
     synced: a loop that goes on (the refusal caught in a callback) reads it from
-    the variables again, and nothing stale is synced over weights set later."""
+    the variables again, and nothing stale is synced over weights set later. A
+    plain model's `*_on_batch` call there, which purges nothing, drops the state
+    it marked unsynced (`settle_failed_on_batch`)."""
     if keras.backend.backend() != "jax":
         return
     try:
