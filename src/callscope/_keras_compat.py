@@ -689,14 +689,21 @@ def restore_purged_values(model, snapshot):
             lost.append(variable.path)
         else:
             variable._value = value
-    model.__dict__["_jax_state"] = None
-    model.__dict__["_jax_state_synced"] = True
+    _drop_loop_state(model)
     if lost:
         return (f"callscope could not put back {len(lost)} of the model's variables "
                 "after the call failed: JAX had already given their values to a step "
                 "that did not finish. Reload the weights (e.g. `model.load_weights(...)`) "
                 f"before using the model again. Variables without a value: {lost[:5]}")
     return None
+
+
+def _drop_loop_state(model) -> None:
+    """Drops a JAX loop's state and marks it synced: the variables hold the
+    weights, so nothing is synced over them later, and a loop that goes on reads
+    its state from them again (3.15.1: backend/jax/trainer.py:451, 880)."""
+    model.__dict__["_jax_state"] = None
+    model.__dict__["_jax_state_synced"] = True
 
 
 def _state_variables(model) -> dict:
@@ -749,8 +756,7 @@ def settle_failed_on_batch(model, method: str) -> None:
             or model.__dict__.get("_jax_state_synced", True)):
         return
     if all(_live(variable._value) for variable in model.variables):
-        model.__dict__["_jax_state"] = None
-        model.__dict__["_jax_state_synced"] = True
+        _drop_loop_state(model)
 
 
 def put_back_stock_loop_weights() -> None:
@@ -796,8 +802,7 @@ def _put_back_stock_loop_weights(frame) -> None:
                 # loop state kept unsynced, from a step of this loop, was written over
                 # weights set later by the next `Callback.model`'s sync; a loop that
                 # goes on reads its state from the variables again.)
-                model.__dict__["_jax_state"] = None
-                model.__dict__["_jax_state_synced"] = True
+                _drop_loop_state(model)
         frame = frame.f_back
 
 
