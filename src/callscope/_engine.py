@@ -478,8 +478,7 @@ class Engine(CaptureMixin):
             except BaseException as error:
                 for gate in state.gates(method):
                     gate.close()  # a callback raised with the gate open: take it back
-                problem = _keras_compat.restore_purged_values(self, snapshot)
-                _keras_compat.settle_failed_on_batch(self, method)
+                problem = _keras_compat.settle_failed_call(self, method, snapshot)
                 if problem is not None:
                     error.add_note(problem)
                 raise

@@ -644,14 +644,14 @@ _STATE_PARTS = {
 
 def keep_loop_state(model, kind: str, state) -> None:
     """Makes `state`, the state a JAX step of `kind` was about to be given, the
-    loop's last state, for `restore_purged_values`: a call that stops before a
+    loop's last state, for `settle_failed_call`: a call that stops before a
     step holds its weights there alone (Keras purged the variables, and a nested
     call, such as fit's validation, may have cleared `_jax_state`)."""
     model.__dict__["_jax_state"] = dict(zip(_STATE_PARTS[kind], state))
     model.__dict__["_jax_state_synced"] = False
 
 
-def restore_purged_values(model, snapshot):
+def _put_back_purged_values(model, snapshot):
     """Puts back the value of every variable that a failed JAX call purged, and
     drops the loop's unsynced state (`_jax_state`), so the model is usable.
 
@@ -696,6 +696,18 @@ def restore_purged_values(model, snapshot):
                 "that did not finish. Reload the weights (e.g. `model.load_weights(...)`) "
                 f"before using the model again. Variables without a value: {lost[:5]}")
     return None
+
+
+def settle_failed_call(model, method: str, snapshot):
+    """JAX: leaves `model` usable after its call of `method` raised: the values a
+    purging loop took out are put back (`_put_back_purged_values`, from
+    `snapshot`), and an unsynced loop state that a later `Callback.model` would
+    sync over weights set since is dropped (`settle_failed_on_batch`). Returns
+    what to add to the call's error where a variable is left without a value
+    (else None). Other backends: nothing to do."""
+    problem = _put_back_purged_values(model, snapshot)
+    settle_failed_on_batch(model, method)
+    return problem
 
 
 def _drop_loop_state(model) -> None:
@@ -769,7 +781,7 @@ def put_back_stock_loop_weights() -> None:
     Keras puts nothing back when its step fails to trace, so the refusal left the
     plain model, and the callscope model inside it, without weights for good
     ('NoneType' object is not callable), the refusal's own fix (`cs.enable` it)
-    included. A callscope model's loop puts back its own (`restore_purged_values`).
+    included. A callscope model's loop puts back its own (`settle_failed_call`).
     A step that failed to trace donated nothing. The loop's state is marked
     synced: a loop that goes on (the refusal caught in a callback) reads it from
     the variables again, and nothing stale is synced over weights set later. A

@@ -85,7 +85,7 @@ class Run:
         next step it is that step's input, which becomes the loop's last state
         (`_keras_compat.keep_loop_state`: after validation, or a callback's
         predict, it is the only copy of the weights), and the failed call puts it
-        back (`_keras_compat.restore_purged_values`)."""
+        back (`_keras_compat.settle_failed_call`)."""
         problem = self.host.failure if self.host is not None else None
         if problem is None and self.scopes:
             problem = self._opened_since(model)
