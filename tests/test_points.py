@@ -110,6 +110,36 @@ def test_two_instances_with_one_name_are_two_points():
     np.testing.assert_allclose(cap["twins/twin:output"], X @ w[0] + w[1], rtol=1e-5, atol=1e-6)
 
 
+def test_two_instances_with_one_name_keep_their_points_whichever_runs_first():
+    # Which twin is `#1` is where the model holds it, not which ran first: by run
+    # order, a call that ran them the other way round joined b's rows to a's under
+    # one key, and a patch of `flip/twin` hit b there, silently.
+    class Flip(cs.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.a = layers.Dense(3, name="twin", kernel_initializer="ones")
+            self.b = layers.Dense(3, name="twin", kernel_initializer="zeros",
+                                  bias_initializer="ones")
+            self.register_context_args("flip")
+
+        def call(self, x, flip=False):
+            return self.a(self.b(x)) if flip else self.b(self.a(x))
+
+    model = Flip(name="flip")
+    x = np.arange(12, dtype="float32").reshape(4, 3)  # (twins map 3 features to 3)
+    a_of_x, a_of_ones = x.sum(1, keepdims=True) * np.ones(3), np.full((4, 3), 3.0)
+    with cs.capture(model, "flip/twin*") as cap:
+        model.predict(x, verbose=0)
+        model.predict(x, flip=True, verbose=0)
+    np.testing.assert_allclose(cap["flip/twin:output"], np.concatenate([a_of_x, a_of_ones]))
+    np.testing.assert_allclose(cap["flip/twin#1:output"], np.ones((8, 3)))
+    with cs.context(flip=True):
+        assert list(cs.points(model, x)) == list(cs.points(model, x[:, ::-1]))
+    with cs.patch(model, {"flip/twin": lambda h: h * 0 + 7.0}):  # a, in both orders
+        np.testing.assert_allclose(model.predict(x, verbose=0), np.ones((4, 3)))
+        np.testing.assert_allclose(model.predict(x, flip=True, verbose=0), np.full((4, 3), 7.0))
+
+
 def test_inner_model_scopes_name_points_from_the_inner_model():
     inner = cs.Sequential([keras.Input((4,)), layers.Dense(3, name="d")], name="enc")
     outer = cs.Sequential([keras.Input((4,)), inner, layers.Dense(2, name="head")],

@@ -13,6 +13,8 @@ that keys or globs use is percent-encoded in its point (`escaped`).
 
 from __future__ import annotations
 
+import collections
+
 import difflib
 import fnmatch
 import re
@@ -59,8 +61,8 @@ def local_name(parent, child) -> str:
     one Keras made up (`softmax_3`: a session-wide counter, different after
     every load) in a subclassed parent; then the attribute the parent holds it
     under (`_softmax` -> `softmax`), else its class name in snake case (a second
-    such layer gets `#1` by call order). Layers of a Functional or Sequential
-    model keep their names: the model's config holds them."""
+    such layer gets `#1`, `sublayer_parts`). Layers of a Functional or
+    Sequential model keep their names: the model's config holds them."""
     from callscope import _keras_compat
 
     if parent is None or _keras_compat.is_graph_model(parent) \
@@ -74,6 +76,23 @@ def local_name(parent, child) -> str:
     return escaped(base[:-1] if base.endswith("_") and base != name else name)
 
 
+def sublayer_parts(parent) -> tuple[collections.Counter, dict[int, int]]:
+    """How many of `parent`'s sublayers have each own part (`local_name`), and
+    each one's `n` among those of its part (a second gets `#1`), in the order
+    `parent` tracks them: its attributes' order, the same in every call, every
+    build and after a load. Never the order they run in: two sublayers of one
+    name (a subclassed model may have them) would swap points between calls
+    that run them in another order, joining one's rows to the other's."""
+    from callscope import _keras_compat
+
+    counts, places = collections.Counter(), {}
+    for child in _keras_compat.child_layers(parent):
+        own = local_name(parent, child)
+        places[id(child)] = counts[own]
+        counts[own] += 1
+    return counts, places
+
+
 def walk_tree(model):
     """(point, the point of the RNN it runs inside or None) of every tracked layer."""
     import keras
@@ -83,8 +102,11 @@ def walk_tree(model):
     def walk(layer, point, loop):
         yield point, loop
         inner = point if loop is None and isinstance(layer, keras.layers.RNN) else loop
+        places = sublayer_parts(layer)[1]
         for child in _keras_compat.child_layers(layer):
-            yield from walk(child, f"{point}/{local_name(layer, child)}", inner)
+            n = places[id(child)]
+            yield from walk(child, f"{point}/{local_name(layer, child)}{f'#{n}' if n else ''}",
+                            inner)
 
     yield from walk(model, escaped(model.name), None)
 

@@ -39,7 +39,7 @@ from keras import ops
 
 from callscope import _backend, _inputs, _keras_compat, _recompute, _reduce, _scope
 from callscope._points import (CALL_KINDS, RESERVED, Spec, escaped, found_key, key_name,
-                               local_name)
+                               local_name, sublayer_parts)
 
 SOWN = "__callscope_sown__"
 OUTPUTS = "__callscope_outputs__"
@@ -113,7 +113,7 @@ class Resolved:
         # (point, kind, id(layer), sown, parent, id(root)) -> (layer, ((index,
         # point as the spec names it, records it, grad source), ...))
         self.selection: dict[tuple, tuple] = {}
-        self.sublayers: dict[int, tuple] = {}  # id(layer) -> (layer, {name: count})
+        self.sublayers: dict[int, tuple] = {}  # id(layer) -> (layer, sublayer_parts)
         self.noted = False  # the points of a step were noted (`_cs_note_points`)
 
 
@@ -198,9 +198,16 @@ class Collector:
     def name(self, layer, local: str | None = None) -> str:
         """The point of `layer` called now: its caller's point, `/`, its own name
         (`local`, see `_points.local_name`; the root: the model's name)."""
-        parent = self.stack[-1].point if self.stack else ""
         own = local or escaped(layer.name)
-        return self._owned(f"{parent}/{own}" if parent else own, layer)
+        if not self.stack:
+            return self._owned(own, layer)
+        caller = self.stack[-1]
+        # A sublayer of its caller sharing its name with others takes its `#n` from
+        # where its caller tracks it (`sublayer_parts`), whichever runs first; a
+        # layer its caller does not hold comes after those of its name.
+        counts, places = self._sublayer_parts(caller.layer)
+        n = places.get(id(layer), counts.get(own, 0))
+        return self._owned(f"{caller.point}/{own}", layer, n)
 
     def element(self, point: str, path: tuple, layer) -> str:
         """The point of the element at `path` of `layer`'s output, `layer` called at
@@ -210,21 +217,19 @@ class Collector:
         one point, patched twice. `n` counts those sublayers, whether they ran in
         this call or not: the name does not depend on which ran first."""
         key, *rest = (escaped(str(part)) for part in path)
-        n = self._sublayer_names(layer).get(key, 0)
+        n = self._sublayer_parts(layer)[0].get(key, 0)
         base = f"{point}/{key}"
         return self._owned(base, layer, n, "".join(f"/{part}" for part in rest))
 
-    def _sublayer_names(self, layer) -> dict[str, int]:
-        """How many of `layer`'s sublayers have each name in its points
-        (`_points.local_name`)."""
+    def _sublayer_parts(self, layer) -> tuple:
+        """`_points.sublayer_parts(layer)`, kept for the calls that follow."""
         hit = self.resolved.sublayers.get(id(layer))
         if hit is not None and hit[0] is layer:
             return hit[1]
-        names = collections.Counter(
-            local_name(layer, child) for child in _keras_compat.child_layers(layer))
+        parts = sublayer_parts(layer)
         if not _backend.is_tracing_now():  # (see `_selection`)
-            self.resolved.sublayers[id(layer)] = (layer, names)
-        return names
+            self.resolved.sublayers[id(layer)] = (layer, parts)
+        return parts
 
     def _owned(self, base: str, layer, n: int = 0, tail: str = "") -> str:
         """`base` (then `tail`), or `base#n`: a name no other layer instance has
