@@ -1143,6 +1143,34 @@ def test_two_threads_evaluating_one_model_get_their_own_metrics():
         np.testing.assert_allclose(values, [reference[k]] * 4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("other", ["evaluate", "fit"])
+def test_a_fit_paused_before_its_first_step_keeps_its_metrics_from_the_others(other):
+    # A fresh model: the other thread's first step makes the compiled metrics (on
+    # TF), so the paused fit found more metric variables than it parked; nothing
+    # was put back, and its epoch's loss and mae went on from the other's totals.
+    keras.utils.set_random_seed(0)
+    model = cs.Sequential([keras.Input((4,)), keras.layers.Dense(2, name="d")])
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse", metrics=["mae"])
+    far = Y + 100.0
+
+    class LetsTheOtherRunFirst(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):  # (after fit reset its metrics)
+            call = (lambda: model.evaluate(X, far, batch_size=4, verbose=0)) \
+                if other == "evaluate" else (
+                lambda: model.fit(X, far, batch_size=4, epochs=1, verbose=0))
+            worker = threading.Thread(target=call, daemon=True)
+            worker.start()
+            worker.join(60)
+            assert not worker.is_alive()
+
+    got = []
+    _in_threads(lambda: got.append(model.fit(
+        X, Y, batch_size=4, epochs=1, verbose=0, callbacks=[LetsTheOtherRunFirst()])))
+    loss, mae = model.evaluate(X, Y, batch_size=4, verbose=0)  # learning rate 0
+    assert got[0].history["loss"] == [pytest.approx(loss, rel=1e-5)]
+    assert got[0].history["mae"] == [pytest.approx(mae, rel=1e-5)]
+
+
 def test_a_nested_call_never_sees_another_calls_dynamic_value():
     model = _scaled()
     reference = model.evaluate(X, Y, temperature=2.0, verbose=0)

@@ -321,23 +321,36 @@ class SharedState:
             _keras_compat.sync_jax_state(model)
         if not self._metrics:
             return
-        variables = list(model.metrics_variables)
         if previous is not None:
-            self._parked[previous] = ([_backend.host_values(v) for v in variables],
-                                      _keras_compat.eval_iterator(model),
-                                      getattr(model, "history", None))
+            self._parked[previous] = (
+                {id(v): (v, _backend.host_values(v)) for v in model.metrics_variables},
+                _keras_compat.eval_iterator(model), getattr(model, "history", None))
         values, iterator, history = self._parked.pop(current, (None, None, None))
         _keras_compat.set_eval_iterator(model, iterator)
         if history is not None:  # fit returns `model.history`, which each fit's History
             model.history = history  # callback sets: the resuming call's own, back
-        if values is not None and len(values) == len(variables):
-            for variable, value in zip(variables, values):
-                _backend.assign_values(variable, value)
+        if values is not None:
+            _put_back_metrics(model, values)
             _keras_compat.mark_jax_state_stale(model)
 
     def forget(self, thread: int) -> None:
         """Drops what a call that ended (or raised) had parked."""
         self._parked.pop(thread, None)
+
+
+def _put_back_metrics(model, parked: dict) -> None:
+    """Gives the metrics a resuming call had when it paused their values back.
+    A metric made since, by another call's first step (TF builds the compiled
+    metrics there), starts from its reset state: it held the other call's totals,
+    which the resuming call's `fit` added to, silently, when values were put
+    back only where the number of variables had not changed."""
+    for metric in model.metrics:
+        kept = [parked.get(id(v), (None,))[0] is v for v in metric.variables]
+        if not all(kept):
+            metric.reset_state()
+        for variable, was_kept in zip(metric.variables, kept):
+            if was_kept:
+                _backend.assign_values(variable, parked[id(variable)][1])
 
 
 def _open(gates: tuple) -> None:
