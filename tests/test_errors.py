@@ -37,6 +37,39 @@ def test_unregistered_name_is_a_type_error_naming_the_fix(model, method):
     assert message.endswith("Received: debuging=True")
 
 
+# (torch.compile's dynamo warns so as the refusal leaves the frame it traces.)
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
+@pytest.mark.parametrize("mode", ["compiled", "jit_compile", "run_eagerly"])
+def test_a_scope_value_its_loss_reads_names_the_model_that_must_register_it(mode):
+    # It said "read inside a compiled function" and "Call `outer = cs.enable(outer)`",
+    # for a callscope model's own step, compiled or eager, and its loss.
+    class Net(cs.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.d = keras.layers.Dense(1)
+
+        def call(self, x):
+            return self.d(x)
+
+    def loss(y_true, y_pred):
+        return keras.ops.mean((y_true - y_pred) ** 2) * cs.current("foo", default=1.0)
+
+    model = Net(name="net")
+    model.compile(optimizer="sgd", loss=loss, run_eagerly=mode == "run_eagerly",
+                  jit_compile=mode == "jit_compile")
+    for method in ("fit", "evaluate"):  # the first builds and traces; the second does not
+        with cs.context(foo=3.0):
+            with pytest.raises(cs.StrayValueError) as caught:
+                getattr(model, method)(X, X[:, :1], verbose=0)
+        message = str(caught.value)
+        assert "read in a step of the callscope model `net`" in message, message
+        assert "`model.register_context_args('foo')` on `net`" in message
+        assert "cs.enable" not in message and "Received: foo=3.0" in message
+    model.register_context_args("foo")
+    with cs.context(foo=3.0):
+        model.evaluate(X, X[:, :1], verbose=0)  # the fix it names
+
+
 def test_tensor_for_a_static_name_points_to_dynamic(model):
     for value in (np.array(True), keras.ops.ones(())):
         with pytest.raises(TypeError, match=r"dynamic=True.*Received: debugging=") as info:

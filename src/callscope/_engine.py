@@ -364,7 +364,7 @@ class Engine(CaptureMixin):
         table = self._cs_table()
         entry = table.acquire(key, values, self.context_cache_size)
         try:
-            _scope.check_unkeyed(entry.reads, state.names)
+            _scope.check_unkeyed(entry.reads, state.names, self)
             self._cs_install_steps()
             nested = outer is not None
             offset = self._cs_row_offset(method, patches)

@@ -38,6 +38,7 @@ REQUIRED_ATTRIBUTES = (
     (keras.layers.Layer, "_non_trainable_variables"),  # layer.py:1444
     (keras.Model, "_compute_loss"),  # trainers/trainer.py:404, hooked by LossHook
     (keras.Model, "_flatten_layers"),  # layers/layer.py:1708
+    (keras.Model, "_symbolic_build"),  # trainers/trainer.py:1125
     (keras.layers.Layer, "_seed_generators"),  # instance attr, layer.py:393
     (keras.layers.Layer, "_remat_mode"),  # instance attr, ops/operation.py:34
     (keras.layers.Layer, "_convert_input_args"),  # instance attr, layer.py:337
@@ -801,10 +802,11 @@ def _put_back_stock_loop_weights(frame) -> None:
         kind = kinds.get(frame.f_code)
         model = frame.f_locals.get("self") if kind else None
         state = frame.f_locals.get("state") if kind else None
-        if kind == "on_batch" and model is not None and "_cs" not in model.__dict__:
+        if model is None or is_callscope(model):
+            pass  # (its own call puts back its weights: `settle_failed_call`)
+        elif kind == "on_batch":
             settle_failed_on_batch(model, frame.f_code.co_name)
-        elif (model is not None and "_cs" not in model.__dict__
-              and isinstance(state, tuple)):
+        elif isinstance(state, tuple):
             parts, put = _state_variables(model), False
             for name, values in zip(_STATE_PARTS[kind], state):
                 for variable, value in zip(parts[name], values):
@@ -816,6 +818,26 @@ def _put_back_stock_loop_weights(frame) -> None:
                 # goes on reads its state from the variables again.)
                 _drop_loop_state(model)
         frame = frame.f_back
+
+
+def is_callscope(model) -> bool:
+    """Is `model` a callscope model (`cs.Model`, `cs.enable`'s), not a plain one?
+    (Its state, `_cs`, is a property of its class.)"""
+    return isinstance(getattr(type(model), "_cs", None), property)
+
+
+def building_model():
+    """The model whose Keras `_symbolic_build` is on this thread's stack (its
+    entry point builds it on KerasTensors before the loop: 3.15.1,
+    trainers/trainer.py:1125, called from backend/jax/trainer.py:418, 583, 774,
+    823), else None. For error messages only: it walks the stack."""
+    code = inspect.unwrap(keras.Model._symbolic_build).__code__
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code:
+            return frame.f_locals.get("self")
+        frame = frame.f_back
+    return None
 
 
 def eval_iterator(model):

@@ -194,6 +194,34 @@ STRAY_VALUE = (
     "call itself (`fit(..., {name}=...)`). Received: {name}={value!r}"
 )
 
+# A value read in a callscope model's own step (a layer, its loss or metrics, a
+# custom step) that its key lacks: the fix is that model's, compiled or not.
+STRAY_IN_STEP = (
+    "Context argument `{name}` is set in the caller's scope ({value!r}), but it is "
+    "read in a step of the callscope model `{model}` (by a layer, a loss, a metric "
+    "or a custom step), which does not register `{name}`: its steps are keyed on "
+    "the names it registers, so a compiled step would freeze the value and silently "
+    "reuse it in later calls (an eager step, `run_eagerly=True`, is refused alike, "
+    "so that the code runs the same compiled). Fix: "
+    "`model.register_context_args({name!r})` on `{model}` (with `dynamic=True` for "
+    "numbers that change), or decorate its class with `@cs.context_args({name!r})`. "
+    "A scope opened while a call runs (in a callback of `fit`) is not that call's "
+    "either: its values were fixed when it began; pass the value to the call itself "
+    "(`fit(..., {name}=...)`). Received: {name}={value!r}"
+)
+
+
+def _stray(name: str, value: Any) -> StrayValueError:
+    """The refusal of `name`'s value, read where a trace would freeze it: in a
+    step of a callscope model (`STRAY_IN_STEP`: the model is known, and so is
+    the fix), or in a callscope model's build before its loop (Keras's symbolic
+    build runs the loss and metrics on JAX), else anywhere (`STRAY_VALUE`)."""
+    stepping_ = _STEPPING.get()
+    model = stepping_[-1] if stepping_ else _keras_compat.building_model()
+    if model is None or not _keras_compat.is_callscope(model):
+        return StrayValueError(STRAY_VALUE.format(name=name, value=value))
+    return StrayValueError(STRAY_IN_STEP.format(name=name, value=value, model=model.name))
+
 
 # --------------------------------------------------------------------------
 # Context values
@@ -273,14 +301,15 @@ def sealed(values: Mapping[str, Any]) -> Frame:
     return Frame(values, True, MappingProxyType(outside), frozenset(values), set())
 
 
-def check_unkeyed(reads, keyed) -> None:
-    """Refuses a call whose compiled function once looked up a name outside its key
-    (`reads`) while the caller's scope now sets it: the cached function would
-    silently ignore the value."""
+def check_unkeyed(reads, keyed, model) -> None:
+    """Refuses a call of `model` whose compiled function once looked up a name
+    outside its key (`reads`) while the caller's scope now sets it: the cached
+    function would silently ignore the value."""
     values = _FRAME.get().values
     for name in reads:
         if name not in keyed and values.get(name) is not None:
-            raise StrayValueError(STRAY_VALUE.format(name=name, value=values[name]))
+            raise StrayValueError(STRAY_IN_STEP.format(name=name, value=values[name],
+                                                       model=model.name))
 
 
 NOT_PASSED = (
@@ -337,12 +366,12 @@ def lookup(name: str, *, tracing: bool) -> Any:
         if name not in current.values and current.reads is not None:
             current.reads.add(name)
         if value is None and name in current.outside:
-            raise StrayValueError(STRAY_VALUE.format(name=name, value=current.outside[name]))
+            raise _stray(name, current.outside[name])
         if name in current.values:  # (a scope opened inside the step: to its sealed root)
             read_from(current, name)
         return value
     if value is not None and tracing and name not in current.keyed:
-        raise StrayValueError(STRAY_VALUE.format(name=name, value=value))
+        raise _stray(name, value)
     read_from(current, name)
     return value
 
