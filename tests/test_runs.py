@@ -1171,6 +1171,28 @@ def test_a_fit_paused_before_its_first_step_keeps_its_metrics_from_the_others(ot
     assert got[0].history["mae"] == [pytest.approx(mae, rel=1e-5)]
 
 
+def test_a_calls_values_reach_the_calls_its_callbacks_make_unless_given_their_own():
+    @cs.context_args("debugging", "mode")
+    class Marks(keras.layers.Layer):
+        def call(self, x, debugging=None, mode=None):
+            return x * (2.0 if debugging else 1.0) + (10.0 if mode == "b" else 0.0)
+
+    model = cs.Sequential([keras.Input((1,)), Marks(), keras.layers.Dense(
+        1, kernel_initializer="ones", bias_initializer="zeros")])
+    model.register_context_args("debugging", "mode")
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+    x, got = np.ones((4, 1), "float32"), []
+
+    class Nested(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            for values in ({}, {"mode": "b"}, {"debugging": False}):
+                got.append(float(self.model.predict(x, verbose=0, **values)[0, 0]))
+
+    model.fit(x, x, debugging=True, epochs=1, verbose=0, callbacks=[Nested()])
+    assert got == [2.0, 12.0, 1.0]
+    assert float(model.predict(x, verbose=0)[0, 0]) == 1.0  # and after it, the defaults
+
+
 def test_a_nested_call_never_sees_another_calls_dynamic_value():
     model = _scaled()
     reference = model.evaluate(X, Y, temperature=2.0, verbose=0)
