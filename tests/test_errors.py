@@ -70,6 +70,23 @@ def test_a_scope_value_its_loss_reads_names_the_model_that_must_register_it(mode
         model.evaluate(X, X[:, :1], verbose=0)  # the fix it names
 
 
+def test_a_name_an_inner_model_registers_and_the_outer_does_not_names_the_outer():
+    inner = cs.Sequential([keras.Input((2,)), HalvesWhenDebugging()], name="inner")
+    inner.register_context_args("debugging")
+    outer = cs.Sequential([keras.Input((2,)), inner], name="outer")
+    with cs.context(debugging=True):
+        with pytest.raises(cs.StrayValueError) as caught:
+            outer.predict(X, verbose=0)
+    message = str(caught.value)
+    assert "read in a step of the callscope model `outer`" in message, message
+    assert "`model.register_context_args('debugging')` on `outer`" in message
+    assert "cs.enable" not in message
+    outer.register_context_args("debugging")  # the fix it names
+    with cs.context(debugging=True):
+        np.testing.assert_allclose(outer.predict(X, verbose=0),
+                                   outer.predict(X, verbose=0, debugging=False) / 2)
+
+
 def test_tensor_for_a_static_name_points_to_dynamic(model):
     for value in (np.array(True), keras.ops.ones(())):
         with pytest.raises(TypeError, match=r"dynamic=True.*Received: debugging=") as info:

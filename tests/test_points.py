@@ -140,6 +140,71 @@ def test_two_instances_with_one_name_keep_their_points_whichever_runs_first():
         np.testing.assert_allclose(model.predict(x, flip=True, verbose=0), np.full((4, 3), 7.0))
 
 
+def _bias(k, **kwargs):
+    return layers.Dense(2, kernel_initializer="zeros",
+                        bias_initializer=keras.initializers.Constant(k), **kwargs)
+
+
+class _Holds(layers.Layer):
+    def __init__(self, k, **kwargs):
+        super().__init__(**kwargs)
+        self.d = _bias(k, name="d")
+
+    def call(self, x):
+        return self.d(x)
+
+
+@cs.context_args("flip")
+class _CallsTwo(layers.Layer):
+    def __init__(self, a, b, names=None, **kwargs):
+        super().__init__(**kwargs)
+        if names is None:  # it calls them, but does not hold them
+            self.both = lambda: (a, b)
+        else:
+            setattr(self, names[0], a)
+            setattr(self, names[1], b)
+            self.both = lambda: (getattr(self, names[0]), getattr(self, names[1]))
+
+    def call(self, x, flip=False):
+        a, b = self.both()
+        return b(x) + 10.0 * a(x) if flip else 10.0 * a(x) + b(x)
+
+
+@pytest.mark.parametrize("case", ["held_by_two", "called_by_a_non_holder"])
+def test_layers_named_alike_keep_their_points_whichever_runs_first(case):
+    # Both cases followed run order: a layer held by two parents took its first
+    # holder's attribute name under the second (`proj`, beside that one's own
+    # `proj`), and two `d`s held by two blocks and called by a third shared one n.
+    class Flip(cs.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            if case == "held_by_two":
+                self.first = _Holds(0.0)
+                self.first.proj = _bias(1.0)  # unnamed: its point is its attribute's,
+                self.pair = _CallsTwo(self.first.proj, _bias(2.0),  # `head` here, beside
+                                      names=("head", "proj"), name="pair")  # its own `proj`
+            else:
+                self.h1, self.h2 = _Holds(1.0, name="h1"), _Holds(2.0, name="h2")
+                self.pair = _CallsTwo(self.h1.d, self.h2.d, name="pair")
+            self.register_context_args("flip")
+
+        def call(self, x):
+            return self.pair(x)
+
+    model = Flip(name="f")
+    x = np.ones((2, 2), "float32")
+    one, two = ("f/pair/head", "f/pair/proj") if case == "held_by_two" else (
+        "f/pair/d", "f/pair/d#1")
+    with cs.capture(model, [one, two]) as cap:
+        model.predict(x, verbose=0)
+        model.predict(x, flip=True, verbose=0)
+    np.testing.assert_array_equal(cap[f"{one}:output"], np.full((4, 2), 1.0))
+    np.testing.assert_array_equal(cap[f"{two}:output"], np.full((4, 2), 2.0))
+    with cs.patch(model, {one: keras.ops.zeros_like}):  # the bias-1 layer, in both orders
+        for flip in (False, True):
+            np.testing.assert_array_equal(model.predict(x, flip=flip, verbose=0), 2.0)
+
+
 def test_inner_model_scopes_name_points_from_the_inner_model():
     inner = cs.Sequential([keras.Input((4,)), layers.Dense(3, name="d")], name="enc")
     outer = cs.Sequential([keras.Input((4,)), inner, layers.Dense(2, name="head")],

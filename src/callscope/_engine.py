@@ -235,10 +235,7 @@ class Engine(CaptureMixin):
             if name not in state.static and name not in state.dynamic \
                     and values.get(name) is not None:
                 raise _scope.StrayValueError(
-                    _scope.STRAY_VALUE.format(name=name, value=values[name])
-                    .replace("the model that compiles the function",
-                             f"`{type(self).__name__}` (which compiles the function)")
-                )
+                    _scope.STRAY_IN_STEP.format(name=name, value=values[name], model=self.name))
 
     def _cs_dynamic_array(self, name: str, value: Any) -> np.ndarray:
         """`value` of dynamic `name` as an array of the dtype and shape its variable

@@ -76,21 +76,46 @@ def local_name(parent, child) -> str:
     return escaped(base[:-1] if base.endswith("_") and base != name else name)
 
 
-def sublayer_parts(parent) -> tuple[collections.Counter, dict[int, int]]:
+def sublayer_parts(parent) -> tuple[collections.Counter, dict[int, tuple[str, int]]]:
     """How many of `parent`'s sublayers have each own part (`local_name`), and
-    each one's `n` among those of its part (a second gets `#1`), in the order
-    `parent` tracks them: its attributes' order, the same in every call, every
-    build and after a load. Never the order they run in: two sublayers of one
-    name (a subclassed model may have them) would swap points between calls
+    each one's part and `n` among those of its part (a second gets `#1`), in the
+    order `parent` tracks them (its attributes' order: the same in every call,
+    every build and after a load), those no attribute holds last. Never the
+    order they run in: two sublayers of
+    one name (a subclassed model may have them) would swap points between calls
     that run them in another order, joining one's rows to the other's."""
     from callscope import _keras_compat
 
+    children = [(child, local_name(parent, child))
+                for child in _keras_compat.child_layers(parent)]
+    counts = collections.Counter(own for _, own in children)
+    if len(counts) < len(children):
+        # Where parts repeat, those an attribute holds come first: Keras keeps
+        # tracking a layer whose attribute was set again (a subclass's `__init__`
+        # replacing `self.a`), and that one never runs.
+        children.sort(key=lambda item: counts[item[1]] > 1
+                      and _keras_compat.attribute_name(parent, item[0]) is None)
     counts, places = collections.Counter(), {}
-    for child in _keras_compat.child_layers(parent):
-        own = local_name(parent, child)
-        places[id(child)] = counts[own]
+    for child, own in children:
+        places[id(child)] = own, counts[own]
         counts[own] += 1
     return counts, places
+
+
+def tree_ranks(model, own_part) -> dict[int, int]:
+    """Each layer of `model`'s tree (its tracked layers, in their order), by id,
+    to its rank among the layers whose own part (`own_part(layer)`) is the same:
+    a stable order for layers that a layer calls without holding them (two
+    `Dense(name="d")` held by two blocks, both called by the model)."""
+    from callscope import _keras_compat
+
+    counts, ranks = collections.Counter(), {}
+    for layer in _keras_compat.flatten_layers(model):
+        if id(layer) not in ranks:
+            own = own_part(layer)
+            ranks[id(layer)] = counts[own]
+            counts[own] += 1
+    return ranks
 
 
 def walk_tree(model):
@@ -104,9 +129,8 @@ def walk_tree(model):
         inner = point if loop is None and isinstance(layer, keras.layers.RNN) else loop
         places = sublayer_parts(layer)[1]
         for child in _keras_compat.child_layers(layer):
-            n = places[id(child)]
-            yield from walk(child, f"{point}/{local_name(layer, child)}{f'#{n}' if n else ''}",
-                            inner)
+            own, n = places[id(child)]
+            yield from walk(child, f"{point}/{own}{f'#{n}' if n else ''}", inner)
 
     yield from walk(model, escaped(model.name), None)
 

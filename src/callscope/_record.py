@@ -39,7 +39,7 @@ from keras import ops
 
 from callscope import _backend, _inputs, _keras_compat, _recompute, _reduce, _scope
 from callscope._points import (CALL_KINDS, RESERVED, Spec, escaped, found_key, key_name,
-                               local_name, sublayer_parts)
+                               local_name, sublayer_parts, tree_ranks)
 
 SOWN = "__callscope_sown__"
 OUTPUTS = "__callscope_outputs__"
@@ -114,6 +114,7 @@ class Resolved:
         # point as the spec names it, records it, grad source), ...))
         self.selection: dict[tuple, tuple] = {}
         self.sublayers: dict[int, tuple] = {}  # id(layer) -> (layer, sublayer_parts)
+        self.ranks: tuple | None = None  # (the called model, its `tree_ranks`)
         self.noted = False  # the points of a step were noted (`_cs_note_points`)
 
 
@@ -154,6 +155,7 @@ class Collector:
     grad_sources = _Fresh()  # "index|point|grad" -> gradient sources
     versions = _Fresh()  # torch: id(record) -> (point, record, its version when recorded)
     batch_axes = _Fresh()  # "index|point" -> a sown value's batch axis, 0 included
+    parts = _Fresh()  # id(layer) -> (layer, sublayer_parts), "ranks": of a trace
 
     def __init__(self, specs: tuple[Spec, ...], kind: str = "call",
                  resolved: Resolved | None = None):
@@ -202,11 +204,16 @@ class Collector:
         if not self.stack:
             return self._owned(own, layer)
         caller = self.stack[-1]
-        # A sublayer of its caller sharing its name with others takes its `#n` from
-        # where its caller tracks it (`sublayer_parts`), whichever runs first; a
-        # layer its caller does not hold comes after those of its name.
+        # A sublayer of its caller takes its part there and its `#n` among those of
+        # that part from where its caller holds it (`sublayer_parts`), whichever
+        # runs first (its own `local` is its first holder's). A layer its caller
+        # does not hold comes after those, in the order of the called model's tree.
         counts, places = self._sublayer_parts(caller.layer)
-        n = places.get(id(layer), counts.get(own, 0))
+        held = places.get(id(layer))
+        if held is not None:
+            own, n = held
+        else:
+            n = counts.get(own, 0) + self._tree_ranks().get(id(layer), 0)
         return self._owned(f"{caller.point}/{own}", layer, n)
 
     def element(self, point: str, path: tuple, layer) -> str:
@@ -221,14 +228,38 @@ class Collector:
         base = f"{point}/{key}"
         return self._owned(base, layer, n, "".join(f"/{part}" for part in rest))
 
+    def _tree_ranks(self) -> dict[int, int]:
+        """`_points.tree_ranks` of the called model, by each layer's own part as
+        its calls name it (`RecordingCall.local`, else its name), kept."""
+        root = self.stack[0].layer
+        hit = self.resolved.ranks or self.parts.get("ranks")
+        if hit is not None and hit[0] is root:
+            return hit[1]
+
+        def own_part(layer):
+            wrapper = _keras_compat.get_instance_attribute(layer, "call")
+            local = wrapper.local if isinstance(wrapper, RecordingCall) else None
+            return local or escaped(layer.name)
+
+        ranks = tree_ranks(root, own_part)
+        if not _backend.is_tracing_now():  # (see `_selection`)
+            self.resolved.ranks = (root, ranks)
+        else:
+            self.parts["ranks"] = (root, ranks)
+        return ranks
+
     def _sublayer_parts(self, layer) -> tuple:
-        """`_points.sublayer_parts(layer)`, kept for the calls that follow."""
-        hit = self.resolved.sublayers.get(id(layer))
+        """`_points.sublayer_parts(layer)`, kept for the calls that follow: by the
+        key's steps, and by this step (a trace names every sublayer of a model
+        of many in turn)."""
+        hit = self.resolved.sublayers.get(id(layer)) or self.parts.get(id(layer))
         if hit is not None and hit[0] is layer:
             return hit[1]
         parts = sublayer_parts(layer)
         if not _backend.is_tracing_now():  # (see `_selection`)
             self.resolved.sublayers[id(layer)] = (layer, parts)
+        else:
+            self.parts[id(layer)] = (layer, parts)
         return parts
 
     def _owned(self, base: str, layer, n: int = 0, tail: str = "") -> str:
