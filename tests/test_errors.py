@@ -87,34 +87,6 @@ def test_a_name_an_inner_model_registers_and_the_outer_does_not_names_the_outer(
                                    outer.predict(X, verbose=0, debugging=False) / 2)
 
 
-def test_a_declared_name_reaches_a_call_taking_kwargs_and_one_without_it_is_refused():
-    # Both ran with no value, silently: Keras gives a context argument only to a
-    # `call` parameter of its name.
-    @cs.context_args("mode")
-    class TakesKwargs(keras.layers.Layer):
-        def call(self, x, **kwargs):
-            return x + (10.0 if kwargs.get("mode") == "on" else 0.0)
-
-    model = cs.Sequential([keras.Input((3, 2)), TakesKwargs(),
-                           keras.layers.TimeDistributed(TakesKwargs())])  # (calls `call`)
-    model.register_context_args("mode")
-    x = np.zeros((2, 3, 2), "float32")
-    np.testing.assert_array_equal(model.predict(x, mode="on", verbose=0), 20.0)
-    with cs.context(mode="on"):
-        np.testing.assert_array_equal(model.predict(x, verbose=0), 20.0)
-    np.testing.assert_array_equal(numpy(model(x, mode="on")), 20.0)
-    np.testing.assert_array_equal(model.predict(x, verbose=0), 0.0)
-    with pytest.raises(TypeError, match=re.escape(
-            "`@cs.context_args('mode')` on `TakesNone`: its `call` takes no argument "
-            "`mode`, so it would never receive the value (it runs with none, silently). "
-            "Add `mode=None` to `TakesNone.call`'s parameters (or take `**kwargs`). "
-            "Received: call(self, x)")):
-        @cs.context_args("mode")
-        class TakesNone(keras.layers.Layer):
-            def call(self, x):
-                return x
-
-
 def test_tensor_for_a_static_name_points_to_dynamic(model):
     for value in (np.array(True), keras.ops.ones(())):
         with pytest.raises(TypeError, match=r"dynamic=True.*Received: debugging=") as info:

@@ -68,26 +68,20 @@ def has_private_attribute(cls, name):
 # --------------------------------------------------------------------------
 # Registration (keras 3.15.1: layers/layer.py:1803-1862)
 # --------------------------------------------------------------------------
-def register_call_context_args(layer, names, any_keyword=False):
+def register_call_context_args(layer, names):
     """Registers `names` on `layer`, also after it has been called.
 
     `_register_call_context_args` refuses once `layer._called` is set (any
     symbolic call sets it), so for a called layer the two attributes it would set
-    are updated directly. Keras gives a value only to a `call` parameter of its
-    name (`_call_has_context_arg`, layers/layer.py:1083, 1861); `any_keyword`
-    (a `@cs.context_args` layer) gives it to a `call` that takes `**kwargs` too.
-    Checked against keras 3.15.1.
+    are updated directly. Checked against keras 3.15.1.
     """
     names = tuple(names)
     if not getattr(layer, "_called", False):
         layer._register_call_context_args(*names)
-    else:
-        layer._call_context_args = set(layer._call_context_args) | set(names)
-        params = layer.call_signature_parameters
-        layer._call_has_context_arg.update({n: n in params for n in names})
-    if any_keyword and any(p.kind is p.VAR_KEYWORD
-                           for p in inspect.signature(layer.call).parameters.values()):
-        layer._call_has_context_arg.update(dict.fromkeys(names, True))
+        return
+    layer._call_context_args = set(layer._call_context_args) | set(names)
+    params = layer.call_signature_parameters
+    layer._call_has_context_arg.update({n: n in params for n in names})
 
 
 def registered_call_context_args(layer):

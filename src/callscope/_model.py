@@ -240,8 +240,8 @@ def context_args(*names: str):
             if isinstance(self, ContextMixin):
                 self.register_context_args(*declared)
             else:
+                _keras_compat.register_call_context_args(self, declared)
                 _fills_passed(type(self))  # (a subclass's own `call`, once per class)
-                _keras_compat.register_call_context_args(self, declared, any_keyword=True)
 
         # Keras reads the constructor's argspec to build `get_config`
         # (ops/operation.py), and getfullargspec ignores `__wrapped__`.
@@ -285,25 +285,13 @@ def _fills_passed(cls) -> None:
     keys on), so it costs no compiled function; a name Keras passed (in `kwargs`,
     or positionally) is left alone. With no value set, a call costs one lookup."""
     original = cls.call
-    if getattr(original, "_fills_passed", False) or original is keras.layers.Layer.call:
-        return  # (a base class whose subclasses define `call`: checked for each)
+    if getattr(original, "_fills_passed", False):
+        return
     parameters = list(inspect.signature(original).parameters.values())[1:]  # (no self)
-    # name -> how many positional arguments pass it (never, for a keyword-only one,
-    # or one `**kwargs` takes)
+    # name -> how many positional arguments pass it (never, for a keyword-only one)
     places = {p.name: i if p.kind is p.POSITIONAL_OR_KEYWORD else float("inf")
               for i, p in enumerate(parameters)
               if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    for name in cls._callscope_context_args:
-        if name in places:
-            continue
-        if not any(p.kind is p.VAR_KEYWORD for p in parameters):
-            raise TypeError(
-                f"`@cs.context_args({name!r})` on `{cls.__name__}`: its `call` takes no "
-                f"argument `{name}`, so it would never receive the value (it runs with "
-                f"none, silently). Add `{name}=None` to `{cls.__name__}.call`'s "
-                f"parameters (or take `**kwargs`). Received: "
-                f"call{inspect.signature(original)}")
-        places[name] = float("inf")
 
     @functools.wraps(original)
     def call(self, *args, **kwargs):
