@@ -138,11 +138,7 @@ def intermediate_grads(
     if message:
         raise ValueError(message)
     loss, aux = (result[0], result[1]) if isinstance(result, tuple) else (result, None)
-    # Without a graph, as the gradients: torch's recorded outputs are the forward
-    # pass's own tensors (`np.asarray` of one raised; it held the graph alive).
-    outputs = {key: keras.ops.stop_gradient(value)
-               for key, value in _named(records, "output").items()}
-    return IntermediateGrads(loss, aux, grads, outputs)
+    return IntermediateGrads(loss, aux, grads, _named(records, "output"))
 
 
 def _points_of(model, tree) -> list[str]:
