@@ -53,8 +53,10 @@ def intermediate_grads(
     Returns:
         `IntermediateGrads(loss, aux, grads, outputs)`: the loss as `loss_fn`
         returned it (on torch it keeps its graph, so `result.loss.backward()` still
-        trains the weights; `.detach()` it to read it), and `grads` and `outputs`
-        keyed `point:grad` and `point:output`, without a graph.
+        trains the weights; `.detach()` it to read it), `grads` keyed `point:grad`,
+        without a graph, and `outputs` keyed `point:output`: the forward pass's own
+        values, so a loss of yours built from them (inside your tape, or torch's
+        autograd) trains through them; on torch, `.detach()` one to read it.
 
     Raises:
         ValueError: `select` matched no point that `loss_fn` ran through.
