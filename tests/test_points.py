@@ -205,6 +205,39 @@ def test_layers_named_alike_keep_their_points_whichever_runs_first(case):
             np.testing.assert_array_equal(model.predict(x, flip=flip, verbose=0), 2.0)
 
 
+def test_an_inner_models_scope_keys_layers_it_does_not_hold_alike_through_the_outer():
+    # Ranked over the outer model's tree (whose order Keras turns round below its
+    # first level), `enc/d#1` was another layer when the outer model called `enc`.
+    class Enc(cs.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.blocks = [_Holds(k, name=n) for k, n in ((1.0, "a"), (2.0, "b"), (3.0, "c"))]
+
+        def call(self, x):  # its blocks' layers, called directly
+            return sum(10.0 ** i * block.d(x) for i, block in enumerate(self.blocks))
+
+    class Outer(cs.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.other = _Holds(5.0, name="other")
+            self.enc = Enc(name="enc")
+
+        def call(self, x):
+            return self.enc(x) + self.other(x)
+
+    outer = Outer(name="outer")
+    x = np.ones((2, 2), "float32")
+    outer(x)
+    for call in (outer.enc, outer):
+        with cs.capture(outer.enc, "enc/d*") as cap:
+            call(x)
+        assert {k: float(v[0, 0]) for k, v in cap.items()} == {
+            "enc/d:output": 1.0, "enc/d#1:output": 2.0, "enc/d#2:output": 3.0}
+        with cs.patch(outer.enc, {"enc/d#1": keras.ops.zeros_like}):  # b's, both ways
+            np.testing.assert_array_equal(numpy(outer.enc(x)), 301.0)
+            np.testing.assert_array_equal(numpy(outer(x)), 306.0)
+
+
 def test_inner_model_scopes_name_points_from_the_inner_model():
     inner = cs.Sequential([keras.Input((4,)), layers.Dense(3, name="d")], name="enc")
     outer = cs.Sequential([keras.Input((4,)), inner, layers.Dense(2, name="head")],

@@ -102,19 +102,27 @@ def sublayer_parts(parent) -> tuple[collections.Counter, dict[int, tuple[str, in
     return counts, places
 
 
-def tree_ranks(model, own_part) -> dict[int, int]:
-    """Each layer of `model`'s tree (its tracked layers, in their order), by id,
-    to its rank among the layers whose own part (`own_part(layer)`) is the same:
-    a stable order for layers that a layer calls without holding them (two
-    `Dense(name="d")` held by two blocks, both called by the model)."""
+def tree_ranks(caller, own_part) -> dict[int, int]:
+    """Each layer under `caller` (its sublayers' sublayers, and so on, depth
+    first in the order each holds them), by id, to its rank among those whose
+    own part (`own_part(layer)`) is the same: a stable order for layers that
+    `caller` calls without holding them (two `Dense(name="d")` held by two
+    blocks, both called by the model). Its own tree only, so the order is the
+    same whatever model calls `caller` (a capture of an inner model keys it alike
+    through the outer one), and walked here: Keras's `_flatten_layers` turns
+    siblings round below the first level."""
     from callscope import _keras_compat
 
     counts, ranks = collections.Counter(), {}
-    for layer in _keras_compat.flatten_layers(model):
-        if id(layer) not in ranks:
-            own = own_part(layer)
-            ranks[id(layer)] = counts[own]
-            counts[own] += 1
+    stack = list(reversed(_keras_compat.child_layers(caller)))
+    while stack:
+        layer = stack.pop()
+        if id(layer) in ranks or layer is caller:
+            continue
+        own = own_part(layer)
+        ranks[id(layer)] = counts[own]
+        counts[own] += 1
+        stack.extend(reversed(_keras_compat.child_layers(layer)))
     return ranks
 
 

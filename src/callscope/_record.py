@@ -113,8 +113,8 @@ class Resolved:
         # (point, kind, id(layer), sown, parent, id(root)) -> (layer, ((index,
         # point as the spec names it, records it, grad source), ...))
         self.selection: dict[tuple, tuple] = {}
-        self.sublayers: dict[int, tuple] = {}  # id(layer) -> (layer, sublayer_parts)
-        self.ranks: tuple | None = None  # (the called model, its `tree_ranks`)
+        # id(layer) -> (layer, sublayer_parts); ("ranks", id(layer)) -> (layer, tree_ranks)
+        self.sublayers: dict = {}
         self.noted = False  # the points of a step were noted (`_cs_note_points`)
 
 
@@ -155,7 +155,7 @@ class Collector:
     grad_sources = _Fresh()  # "index|point|grad" -> gradient sources
     versions = _Fresh()  # torch: id(record) -> (point, record, its version when recorded)
     batch_axes = _Fresh()  # "index|point" -> a sown value's batch axis, 0 included
-    parts = _Fresh()  # id(layer) -> (layer, sublayer_parts), "ranks": of a trace
+    parts = _Fresh()  # as `Resolved.sublayers`, for a trace
 
     def __init__(self, specs: tuple[Spec, ...], kind: str = "call",
                  resolved: Resolved | None = None):
@@ -207,13 +207,16 @@ class Collector:
         # A sublayer of its caller takes its part there and its `#n` among those of
         # that part from where its caller holds it (`sublayer_parts`), whichever
         # runs first (its own `local` is its first holder's). A layer its caller
-        # does not hold comes after those, in the order of the called model's tree.
+        # does not hold comes after those, in the order of its caller's own tree
+        # (or, outside it, of the nearest calling layer's whose tree holds it).
         counts, places = self._sublayer_parts(caller.layer)
         held = places.get(id(layer))
         if held is not None:
             own, n = held
         else:
-            n = counts.get(own, 0) + self._tree_ranks().get(id(layer), 0)
+            ranks = next((r for r in map(self._tree_ranks, (f.layer for f in self.stack[::-1]))
+                          if id(layer) in r), {})
+            n = counts.get(own, 0) + ranks.get(id(layer), 0)
         return self._owned(f"{caller.point}/{own}", layer, n)
 
     def element(self, point: str, path: tuple, layer) -> str:
@@ -228,12 +231,12 @@ class Collector:
         base = f"{point}/{key}"
         return self._owned(base, layer, n, "".join(f"/{part}" for part in rest))
 
-    def _tree_ranks(self) -> dict[int, int]:
-        """`_points.tree_ranks` of the called model, by each layer's own part as
-        its calls name it (`RecordingCall.local`, else its name), kept."""
-        root = self.stack[0].layer
-        hit = self.resolved.ranks or self.parts.get("ranks")
-        if hit is not None and hit[0] is root:
+    def _tree_ranks(self, caller) -> dict[int, int]:
+        """`_points.tree_ranks(caller)`, by each layer's own part as its calls
+        name it (`RecordingCall.local`, else its name), kept as `_sublayer_parts`."""
+        key = ("ranks", id(caller))
+        hit = self.resolved.sublayers.get(key) or self.parts.get(key)
+        if hit is not None and hit[0] is caller:
             return hit[1]
 
         def own_part(layer):
@@ -241,11 +244,11 @@ class Collector:
             local = wrapper.local if isinstance(wrapper, RecordingCall) else None
             return local or escaped(layer.name)
 
-        ranks = tree_ranks(root, own_part)
+        ranks = tree_ranks(caller, own_part)
         if not _backend.is_tracing_now():  # (see `_selection`)
-            self.resolved.ranks = (root, ranks)
+            self.resolved.sublayers[key] = (caller, ranks)
         else:
-            self.parts["ranks"] = (root, ranks)
+            self.parts[key] = (caller, ranks)
         return ranks
 
     def _sublayer_parts(self, layer) -> tuple:
