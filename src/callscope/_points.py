@@ -14,7 +14,6 @@ that keys or globs use is percent-encoded in its point (`escaped`).
 from __future__ import annotations
 
 import collections
-
 import difflib
 import fnmatch
 import re
@@ -81,9 +80,9 @@ def sublayer_parts(parent) -> tuple[collections.Counter, dict[int, tuple[str, in
     each one's part and `n` among those of its part (a second gets `#1`), in the
     order `parent` tracks them (its attributes' order: the same in every call,
     every build and after a load), those no attribute holds last. Never the
-    order they run in: two sublayers of
-    one name (a subclassed model may have them) would swap points between calls
-    that run them in another order, joining one's rows to the other's."""
+    order they run in: two sublayers of one name (a subclassed model may have
+    them) would swap points between calls that run them in another order,
+    joining one's rows to the other's."""
     from callscope import _keras_compat
 
     children = [(child, local_name(parent, child))
