@@ -205,6 +205,42 @@ def test_layers_named_alike_keep_their_points_whichever_runs_first(case):
             np.testing.assert_array_equal(model.predict(x, flip=flip, verbose=0), 2.0)
 
 
+def test_a_layer_its_caller_does_not_hold_comes_after_those_it_holds_in_every_order():
+    # A block's `d` and a `d` passed in from outside, both called by `p`: ranked in
+    # two trees, both took 0 and run order broke the tie; and beside a held `d`,
+    # the block's one was `#2` (the held one counted twice).
+    @cs.context_args("flip")
+    class P(layers.Layer):
+        def __init__(self, outside, **kwargs):
+            super().__init__(**kwargs)
+            self.inner = _Holds(1.0, name="inner")
+            self.outside = lambda: outside  # called here, held by the model
+
+        def call(self, x, flip=False):
+            a, b = self.inner.d, self.outside()
+            return b(x) + 10.0 * a(x) if flip else 10.0 * a(x) + b(x)
+
+    class M(cs.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.d = _bias(2.0, name="d")
+            self.p = P(self.d, name="p")
+            self.register_context_args("flip")
+
+        def call(self, x):
+            return self.p(x) + self.d(x) + self.p.inner.d(x)
+
+    model = M(name="m")
+    x = np.ones((2, 2), "float32")
+    with cs.capture(model, ["m/p/d*", "m/d*"]) as cap:
+        model.predict(x, verbose=0)
+        model.predict(x, flip=True, verbose=0)
+    assert {k: float(v[0, 0]) for k, v in cap.items()} == {
+        "m/p/d:output": 1.0, "m/p/d#1:output": 2.0, "m/d:output": 2.0, "m/d#1:output": 1.0}
+    for key in cap:
+        assert np.unique(cap[key]).size == 1, key
+
+
 def test_an_inner_models_scope_keys_layers_it_does_not_hold_alike_through_the_outer():
     # Ranked over the outer model's tree (whose order Keras turns round below its
     # first level), `enc/d#1` was another layer when the outer model called `enc`.

@@ -101,28 +101,29 @@ def sublayer_parts(parent) -> tuple[collections.Counter, dict[int, tuple[str, in
     return counts, places
 
 
-def tree_ranks(caller, own_part) -> dict[int, int]:
-    """Each layer under `caller` (its sublayers' sublayers, and so on, depth
-    first in the order each holds them), by id, to its rank among those whose
-    own part (`own_part(layer)`) is the same: a stable order for layers that
-    `caller` calls without holding them (two `Dense(name="d")` held by two
-    blocks, both called by the model). Its own tree only, so the order is the
-    same whatever model calls `caller` (a capture of an inner model keys it alike
-    through the outer one), and walked here: Keras's `_flatten_layers` turns
-    siblings round below the first level."""
+def tree_ranks(top, own_part, skip=frozenset()) -> tuple:
+    """(counts, ranks, seen): each layer under `top` (its sublayers' sublayers,
+    and so on, depth first in the order each holds them) whose id is not in
+    `skip`, by id, to its rank among those whose own part (`own_part(layer)`) is
+    the same, and how many have each part; `seen`: the ids of all of them. A
+    stable order for layers that a layer calls without holding them (two
+    `Dense(name="d")` held by two blocks, both called by the model), walked here:
+    Keras's `_flatten_layers` turns siblings round below the first level."""
     from callscope import _keras_compat
 
-    counts, ranks = collections.Counter(), {}
-    stack = list(reversed(_keras_compat.child_layers(caller)))
+    counts, ranks, seen = collections.Counter(), {}, set()
+    stack = list(reversed(_keras_compat.child_layers(top)))
     while stack:
         layer = stack.pop()
-        if id(layer) in ranks or layer is caller:
+        if id(layer) in seen or layer is top:
             continue
-        own = own_part(layer)
-        ranks[id(layer)] = counts[own]
-        counts[own] += 1
+        seen.add(id(layer))
+        if id(layer) not in skip:
+            own = own_part(layer)
+            ranks[id(layer)] = counts[own]
+            counts[own] += 1
         stack.extend(reversed(_keras_compat.child_layers(layer)))
-    return ranks
+    return counts, ranks, frozenset(seen)
 
 
 def walk_tree(model):

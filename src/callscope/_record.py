@@ -113,7 +113,7 @@ class Resolved:
         # (point, kind, id(layer), sown, parent, id(root)) -> (layer, ((index,
         # point as the spec names it, records it, grad source), ...))
         self.selection: dict[tuple, tuple] = {}
-        # id(layer) -> (layer, sublayer_parts); ("ranks", id(layer)) -> (layer, tree_ranks)
+        # id(layer) -> (layer, sublayer_parts); ("ranks", ...) -> (layer, tree_ranks)
         self.sublayers: dict = {}
         self.noted = False  # the points of a step were noted (`_cs_note_points`)
 
@@ -207,17 +207,29 @@ class Collector:
         # A sublayer of its caller takes its part there and its `#n` among those of
         # that part from where its caller holds it (`sublayer_parts`), whichever
         # runs first (its own `local` is its first holder's). A layer its caller
-        # does not hold comes after those, in the order of its caller's own tree
-        # (or, outside it, of the nearest calling layer's whose tree holds it).
+        # does not hold comes after those (`_unheld_rank`).
         counts, places = self._sublayer_parts(caller.layer)
         held = places.get(id(layer))
         if held is not None:
             own, n = held
         else:
-            ranks = next((r for r in map(self._tree_ranks, (f.layer for f in self.stack[::-1]))
-                          if id(layer) in r), {})
-            n = counts.get(own, 0) + ranks.get(id(layer), 0)
+            n = counts.get(own, 0) + self._unheld_rank(layer, own, places)
         return self._owned(f"{caller.point}/{own}", layer, n)
+
+    def _unheld_rank(self, layer, own: str, held) -> int:
+        """The place of `layer`, which its caller does not hold, among those of
+        its part: first the layers of the caller's own tree that it does not hold,
+        in their order; then those of the nearest calling layer's tree that holds
+        `layer`, outside the caller's. Never the order they run in."""
+        caller = self.stack[-1].layer
+        counts, ranks, seen = self._tree_ranks(caller, frozenset(held))
+        if id(layer) in ranks:
+            return ranks[id(layer)]
+        for frame in reversed(self.stack[:-1]):
+            outer = self._tree_ranks(frame.layer, seen | frozenset(held), caller)[1]
+            if id(layer) in outer:
+                return counts.get(own, 0) + outer[id(layer)]
+        return counts.get(own, 0)
 
     def element(self, point: str, path: tuple, layer) -> str:
         """The point of the element at `path` of `layer`'s output, `layer` called at
@@ -231,12 +243,13 @@ class Collector:
         base = f"{point}/{key}"
         return self._owned(base, layer, n, "".join(f"/{part}" for part in rest))
 
-    def _tree_ranks(self, caller) -> dict[int, int]:
-        """`_points.tree_ranks(caller)`, by each layer's own part as its calls
-        name it (`RecordingCall.local`, else its name), kept as `_sublayer_parts`."""
-        key = ("ranks", id(caller))
+    def _tree_ranks(self, top, skip, caller=None) -> tuple:
+        """`_points.tree_ranks(top, ..., skip)`, by each layer's own part as its
+        calls name it (`RecordingCall.local`, else its name), kept as
+        `_sublayer_parts` (for `caller`, where `top` is an outer layer)."""
+        key = ("ranks", id(top), id(caller))
         hit = self.resolved.sublayers.get(key) or self.parts.get(key)
-        if hit is not None and hit[0] is caller:
+        if hit is not None and hit[0] is top:
             return hit[1]
 
         def own_part(layer):
@@ -244,11 +257,11 @@ class Collector:
             local = wrapper.local if isinstance(wrapper, RecordingCall) else None
             return local or escaped(layer.name)
 
-        ranks = tree_ranks(caller, own_part)
+        ranks = tree_ranks(top, own_part, skip)
         if not _backend.is_tracing_now():  # (see `_selection`)
-            self.resolved.sublayers[key] = (caller, ranks)
+            self.resolved.sublayers[key] = (top, ranks)
         else:
-            self.parts[key] = (caller, ranks)
+            self.parts[key] = (top, ranks)
         return ranks
 
     def _sublayer_parts(self, layer) -> tuple:
