@@ -7,6 +7,7 @@ import re
 import sys
 
 import keras
+import numpy as np
 import pytest
 from conftest import BACKEND
 
@@ -326,3 +327,45 @@ def test_autograph_leaves_callscope_alone():
 
     assert sum(getattr(r, "_prefix", None) == "callscope" for r in config.CONVERSION_RULES) == 1
     del tf
+
+
+def test_is_tracing_now_tells_a_trace_from_eager_code_on_each_backend():
+    # On JAX its fast answer (`jax_at_top_level`, JAX's private trace state) must
+    # agree with the probe it skips: eager code, and eager transformations that
+    # stage nothing (grad, vmap), are not traced; jit, and grad inside it, are.
+    from callscope import _backend
+
+    seen = []
+
+    def probe(x):
+        seen.append(_backend.is_tracing_now())
+        return x * 2.0
+
+    probe(1.0)
+    backend = keras.backend.backend()
+    if backend == "jax":
+        import jax
+
+        assert _keras_compat.jax_at_top_level(), (
+            f"jax {jax.__version__}: `jax._src.core.trace_state_clean` no longer says "
+            "eager code is at the top level")
+        jax.grad(probe)(1.0)
+        jax.vmap(probe)(np.ones(2, "float32"))
+        jax.jit(probe)(1.0)
+        jax.jit(jax.grad(probe))(3.0)
+        assert seen == [False, False, False, True, True]
+
+        inside = []
+        jax.jit(lambda x: inside.append(_keras_compat.jax_at_top_level()) or x)(1.0)
+        jax.grad(lambda x: inside.append(_keras_compat.jax_at_top_level()) or x)(1.0)
+        assert inside == [False, False]
+    elif backend == "tensorflow":
+        import tensorflow as tf
+
+        tf.function(probe)(tf.constant(1.0))
+        assert seen == [False, True]
+    else:
+        import torch
+
+        torch.compile(probe, backend="eager")(torch.ones(()))
+        assert seen == [False, True]

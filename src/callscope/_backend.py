@@ -41,6 +41,10 @@ def is_tracing_now() -> bool:
     if BACKEND == "jax":
         import jax
 
+        from callscope import _keras_compat
+
+        if _keras_compat.jax_at_top_level():
+            return False
         return isinstance(jax.numpy.zeros(()), jax.core.Tracer)  # staged while tracing
     if BACKEND == "tensorflow":
         import tensorflow as tf

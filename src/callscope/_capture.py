@@ -413,14 +413,20 @@ class Capture(Mapping):
             # typo from a sown value or a loop's point that it did not record.
             return
         keys = [k.partition(":")[0] for call in self.calls for k in call._names()]
-        points = [*model._cs.seen, *model._cs.loops, *tree_points(model),
-                  *loop_points(model), *(k.rpartition("@")[0] or k for k in keys)]
+        recorded = {k.rpartition("@")[0] or k for k in keys}
+        select = self.spec.select if isinstance(self.spec.select, tuple) else ()
+        points = [*model._cs.seen, *model._cs.loops, *recorded]
+        # Naming every tracked layer walks the whole model: only where a glob
+        # matched no point that ran, or names one that no call in this scope ran.
+        if unmatched_globs(self.spec.select, points, "", "", "") or any(
+                not set("*?[") & set(w) and not any(p == w or p.startswith(w + "/")
+                                                    for p in recorded) for w in select):
+            points += [*tree_points(model), *loop_points(model)]
         message = unmatched_globs(self.spec.select, list(dict.fromkeys(points)),
                                   "cs.capture", f"of `{model.name}`",
                                   "the other globs' values were captured")
         if message:
             raise ValueError(message)
-        select = self.spec.select if isinstance(self.spec.select, tuple) else ()
         for glob in select:
             matched = [p for p in model._cs.seen if fnmatch.fnmatchcase(p, glob)]
             if matched and all(set(self.spec.kinds).isdisjoint(_SORTS[model._cs.seen[p]][1])
@@ -429,7 +435,6 @@ class Capture(Mapping):
                     matched, model._cs.seen, self.spec.select, self.spec.kinds,
                     f"cs.capture: the glob {glob!r} of `select` selected nothing "
                     "(the other globs' values were captured)"))
-        recorded = {k.rpartition("@")[0] or k for k in keys}
         # (A layer whose output is a tuple or dict records its elements, `point/i`.)
         if unreached := [w for w in select if w in points and not any(
                 p == w or p.startswith(w + "/") for p in recorded)]:

@@ -234,8 +234,7 @@ class Engine(CaptureMixin):
         for name in state.declared:
             if name not in state.static and name not in state.dynamic \
                     and values.get(name) is not None:
-                raise _scope.StrayValueError(
-                    _scope.STRAY_IN_STEP.format(name=name, value=values[name], model=self.name))
+                raise _scope.stray_in_step(name, values[name], self)
 
     def _cs_dynamic_array(self, name: str, value: Any) -> np.ndarray:
         """`value` of dynamic `name` as an array of the dtype and shape its variable

@@ -28,6 +28,13 @@ from keras.src.backend.common import masking as _masking
 CHECKED_AGAINST = "3.15.1"
 
 # (object, attribute) pairs this module relies on. Checked by the tests.
+def _jax_core():
+    """JAX's own core module (jax 0.10.2: jax/_src/core.py), for `jax_at_top_level`."""
+    from jax._src import core
+
+    return core
+
+
 REQUIRED_ATTRIBUTES = (
     (keras.layers.Layer, "_call_context_args"),  # instance attr, layer.py:326
     (keras.layers.Layer, "_call_has_context_arg"),  # instance attr, layer.py:327
@@ -52,6 +59,7 @@ REQUIRED_ATTRIBUTES = (
         (keras.Model, "jax_state_sync"),  # backend/jax/trainer.py:880
         (keras.Model, "_jax_state_synced"),  # instance attr, backend/jax/trainer.py:37
         (keras.Model, "_get_jax_state"),  # backend/jax/trainer.py:1039
+        (_jax_core(), "trace_state_clean"),  # jax 0.10.2: jax/_src/core.py:1561
     )
     if keras.backend.backend() == "jax" else ()
 )
@@ -1230,24 +1238,25 @@ def has_automatic_name(layer) -> bool:
 _REGISTRIES = ("_layers", "_tracker", "_modules", "_parameters", "_buffers")
 
 
-def attribute_name(parent, child) -> str | None:
-    """The attribute under which `parent` holds `child` (`attr`, or `attr_<i>` in a
-    list, tuple or dict), leading underscores dropped; None if it holds it in
-    none. A direct attribute wins over a container."""
+def attribute_names(parent) -> dict[int, str]:
+    """The attribute under which `parent` holds each object, by its id (`attr`, or
+    `attr_<i>` in a list, tuple or dict), leading underscores dropped. A direct
+    attribute wins over a container, and a first over a later one. One pass over
+    `parent`'s attributes for all its sublayers: naming them one by one, a model
+    holding many in a list scanned it once per sublayer."""
     attributes = [(attr, value) for attr, value in vars(parent).items()
                   if attr not in _REGISTRIES and not attr.startswith("_self_")]
     # torch keeps a module's sublayers in `_modules`, keyed by attribute name.
     attributes += list(vars(parent).get("_modules", {}).items())
+    names: dict[int, str] = {}
     for attr, value in attributes:
-        if value is child:
-            return attr.lstrip("_") or attr
+        names.setdefault(id(value), attr.lstrip("_") or attr)
     for attr, value in attributes:
         items = (value.items() if isinstance(value, dict)
                  else enumerate(value) if isinstance(value, list | tuple) else ())
         for key, item in items:
-            if item is child:
-                return f"{attr.lstrip('_') or attr}_{key}"
-    return None
+            names.setdefault(id(item), f"{attr.lstrip('_') or attr}_{key}")
+    return names
 
 
 def child_layers(layer):
@@ -1260,6 +1269,16 @@ def child_layers(layer):
 def flatten_layers(model):
     """`model` and every layer under it (keras 3.15.1: layers/layer.py:1708)."""
     return model._flatten_layers(include_self=True, recursive=True)
+
+
+def jax_at_top_level() -> bool:
+    """Whether JAX runs no transformation now: no jit, grad, vmap or the like
+    (jax 0.10.2: `trace_state_clean`, jax/_src/core.py:1561). The fast answer of
+    `_backend.is_tracing_now`, asked at every layer call of a captured call,
+    where its probe makes an array (about 40 µs); False where JAX lacks it, and
+    the probe answers."""
+    clean = getattr(_jax_core(), "trace_state_clean", None)
+    return clean is not None and clean()
 
 
 def is_escaped_tracer(error) -> bool:

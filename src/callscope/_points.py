@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import difflib
 import fnmatch
+import functools
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,23 +52,34 @@ def tree_points(model) -> list[str]:
 
 def loop_points(model) -> dict[str, str]:
     """The tracked layers inside an RNN (its cell and the cell's layers), each to
-    the RNN's point: whether or not a backend calls them, they are never points."""
+    the RNN's point: whether or not a backend calls them, they are never points.
+    (A model without an RNN has none: no walk, which names every layer.)"""
+    import keras
+
+    from callscope import _keras_compat
+
+    if not any(isinstance(layer, keras.layers.RNN)
+               for layer in _keras_compat.flatten_layers(model)):
+        return {}
     return {point: loop for point, loop in walk_tree(model) if loop is not None}
 
 
-def local_name(parent, child) -> str:
+def local_name(parent, child, attributes: Callable[[], dict] | None = None) -> str:
     """`child`'s own part of its point, under `parent`: its `name`, unless that is
     one Keras made up (`softmax_3`: a session-wide counter, different after
     every load) in a subclassed parent; then the attribute the parent holds it
     under (`_softmax` -> `softmax`), else its class name in snake case (a second
     such layer gets `#1`, `sublayer_parts`). Layers of a Functional or
-    Sequential model keep their names: the model's config holds them."""
+    Sequential model keep their names: the model's config holds them.
+    `attributes`: a function giving `_keras_compat.attribute_names(parent)`, kept
+    by a caller naming several children (most need no attribute: one scan)."""
     from callscope import _keras_compat
 
     if parent is None or _keras_compat.is_graph_model(parent) \
             or not _keras_compat.has_automatic_name(child):
         return escaped(child.name)
-    attribute = _keras_compat.attribute_name(parent, child)
+    attribute = (attributes or functools.partial(_keras_compat.attribute_names, parent)
+                 )().get(id(child))
     if attribute is not None:  # (a dict's key is in it: `heads_x/y`)
         return escaped(attribute)
     name = child.name
@@ -85,7 +97,8 @@ def sublayer_parts(parent) -> tuple[collections.Counter, dict[int, tuple[str, in
     joining one's rows to the other's."""
     from callscope import _keras_compat
 
-    children = [(child, local_name(parent, child))
+    attributes = functools.cache(functools.partial(_keras_compat.attribute_names, parent))
+    children = [(child, local_name(parent, child, attributes))
                 for child in _keras_compat.child_layers(parent)]
     counts = collections.Counter(own for _, own in children)
     if len(counts) < len(children):
@@ -93,7 +106,7 @@ def sublayer_parts(parent) -> tuple[collections.Counter, dict[int, tuple[str, in
         # tracking a layer whose attribute was set again (a subclass's `__init__`
         # replacing `self.a`), and that one never runs.
         children.sort(key=lambda item: counts[item[1]] > 1
-                      and _keras_compat.attribute_name(parent, item[0]) is None)
+                      and id(item[0]) not in attributes())
     counts, places = collections.Counter(), {}
     for child, own in children:
         places[id(child)] = own, counts[own]

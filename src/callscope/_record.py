@@ -1007,6 +1007,7 @@ def install_wrappers(model) -> None:
     for parent in _keras_compat.flatten_layers(model):
         if isinstance(parent, keras.layers.InputLayer):
             continue
+        attributes = functools.cache(functools.partial(_keras_compat.attribute_names, parent))
         for layer in [parent, *_keras_compat.child_layers(parent)]:
             for name in ("call", "quantized_call"):
                 wrapper = _keras_compat.get_instance_attribute(layer, name)
@@ -1014,7 +1015,7 @@ def install_wrappers(model) -> None:
                     wrapper = RecordingCall(layer, getattr(layer, name))
                     _keras_compat.set_instance_call(layer, wrapper, name)
                 if layer is not parent and wrapper.local is None:  # named by its holder
-                    wrapper.local = local_name(parent, layer)
+                    wrapper.local = local_name(parent, layer, attributes)
 
 
 class RecordingCall:

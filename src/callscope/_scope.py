@@ -189,10 +189,13 @@ STRAY_VALUE = (
     "compile yourself (`jax.jit`, `tf.function`), or `cs.intermediate_grads`'s "
     "`loss_fn` on JAX (traced there), pass the value to the model's call instead "
     "(`model(x, {name}=...)`, `model.stateless_call(..., {name}=...)`), where the "
-    "trace sees it. A scope opened while a call runs (in a callback of `fit`) is not "
-    "that call's either: its values were fixed when it began; pass the value to the "
-    "call itself (`fit(..., {name}=...)`). Received: {name}={value!r}"
+    "trace sees it. {opened_in_a_call}"
 )
+# The last words of both: a scope opened inside a call is never that call's.
+_OPENED_IN_A_CALL = (
+    "A scope opened while a call runs (in a callback of `fit`) is not that call's "
+    "either: its values were fixed when it began; pass the value to the call itself "
+    "(`fit(..., {name}=...)`). Received: {name}={value!r}")
 
 # A value read in a callscope model's own step (a layer, its loss or metrics, a
 # custom step) that its key lacks: the fix is that model's, compiled or not.
@@ -205,22 +208,30 @@ STRAY_IN_STEP = (
     "so that the code runs the same compiled). Fix: "
     "`model.register_context_args({name!r})` on `{model}` (with `dynamic=True` for "
     "numbers that change), or decorate its class with `@cs.context_args({name!r})`. "
-    "A scope opened while a call runs (in a callback of `fit`) is not that call's "
-    "either: its values were fixed when it began; pass the value to the call itself "
-    "(`fit(..., {name}=...)`). Received: {name}={value!r}"
+    "{opened_in_a_call}"
 )
 
 
 def _stray(name: str, value: Any) -> StrayValueError:
     """The refusal of `name`'s value, read where a trace would freeze it: in a
-    step of a callscope model (`STRAY_IN_STEP`: the model is known, and so is
+    step of a callscope model (`stray_in_step`: the model is known, and so is
     the fix), or in a callscope model's build before its loop (Keras's symbolic
     build runs the loss and metrics on JAX), else anywhere (`STRAY_VALUE`)."""
     stepping_ = _STEPPING.get()
     model = stepping_[-1] if stepping_ else _keras_compat.building_model()
     if model is None or not _keras_compat.is_callscope(model):
-        return StrayValueError(STRAY_VALUE.format(name=name, value=value))
-    return StrayValueError(STRAY_IN_STEP.format(name=name, value=value, model=model.name))
+        return StrayValueError(STRAY_VALUE.format(
+            name=name, value=value,
+            opened_in_a_call=_OPENED_IN_A_CALL.format(name=name, value=value)))
+    return stray_in_step(name, value, model)
+
+
+def stray_in_step(name: str, value: Any, model) -> StrayValueError:
+    """The refusal of `name`'s value, read in a step of the callscope `model`
+    that does not register it (`STRAY_IN_STEP`)."""
+    return StrayValueError(STRAY_IN_STEP.format(
+        name=name, value=value, model=model.name,
+        opened_in_a_call=_OPENED_IN_A_CALL.format(name=name, value=value)))
 
 
 # --------------------------------------------------------------------------
@@ -308,8 +319,7 @@ def check_unkeyed(reads, keyed, model) -> None:
     values = _FRAME.get().values
     for name in reads:
         if name not in keyed and values.get(name) is not None:
-            raise StrayValueError(STRAY_IN_STEP.format(name=name, value=values[name],
-                                                       model=model.name))
+            raise stray_in_step(name, values[name], model)
 
 
 NOT_PASSED = (
