@@ -1238,24 +1238,31 @@ def has_automatic_name(layer) -> bool:
 _REGISTRIES = ("_layers", "_tracker", "_modules", "_parameters", "_buffers")
 
 
-def attribute_names(parent) -> dict[int, str]:
-    """The attribute under which `parent` holds each object, by its id (`attr`, or
-    `attr_<i>` in a list, tuple or dict), leading underscores dropped. A direct
-    attribute wins over a container, and a first over a later one. One pass over
-    `parent`'s attributes for all its sublayers: naming them one by one, a model
-    holding many in a list scanned it once per sublayer."""
+def attribute_names(parent, children) -> dict[int, str]:
+    """The attribute under which `parent` holds each of `children`, by its id
+    (`attr`, or `attr_<i>` in a list, tuple or dict), leading underscores dropped;
+    none for a child it holds in none. A direct attribute wins over a container,
+    and a first over a later one. One pass over `parent`'s attributes for all of
+    them (naming them one by one, a model holding many in a list scanned it once
+    per child), and over its containers only for children no attribute holds
+    itself (a model may also hold a list of a million strings)."""
     attributes = [(attr, value) for attr, value in vars(parent).items()
                   if attr not in _REGISTRIES and not attr.startswith("_self_")]
     # torch keeps a module's sublayers in `_modules`, keyed by attribute name.
     attributes += list(vars(parent).get("_modules", {}).items())
+    wanted = {id(child) for child in children}
     names: dict[int, str] = {}
     for attr, value in attributes:
-        names.setdefault(id(value), attr.lstrip("_") or attr)
+        if id(value) in wanted:
+            names.setdefault(id(value), attr.lstrip("_") or attr)
     for attr, value in attributes:
+        if len(names) == len(wanted):
+            break
         items = (value.items() if isinstance(value, dict)
                  else enumerate(value) if isinstance(value, list | tuple) else ())
         for key, item in items:
-            names.setdefault(id(item), f"{attr.lstrip('_') or attr}_{key}")
+            if id(item) in wanted:
+                names.setdefault(id(item), f"{attr.lstrip('_') or attr}_{key}")
     return names
 
 

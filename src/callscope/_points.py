@@ -71,15 +71,15 @@ def local_name(parent, child, attributes: Callable[[], dict] | None = None) -> s
     under (`_softmax` -> `softmax`), else its class name in snake case (a second
     such layer gets `#1`, `sublayer_parts`). Layers of a Functional or
     Sequential model keep their names: the model's config holds them.
-    `attributes`: a function giving `_keras_compat.attribute_names(parent)`, kept
-    by a caller naming several children (most need no attribute: one scan)."""
+    `attributes`: a function giving `_keras_compat.attribute_names` of `parent`
+    and its children, kept by a caller naming several (most need none: one scan)."""
     from callscope import _keras_compat
 
     if parent is None or _keras_compat.is_graph_model(parent) \
             or not _keras_compat.has_automatic_name(child):
         return escaped(child.name)
-    attribute = (attributes or functools.partial(_keras_compat.attribute_names, parent)
-                 )().get(id(child))
+    attributes = attributes or functools.partial(_keras_compat.attribute_names, parent, [child])
+    attribute = attributes().get(id(child))
     if attribute is not None:  # (a dict's key is in it: `heads_x/y`)
         return escaped(attribute)
     name = child.name
@@ -97,9 +97,9 @@ def sublayer_parts(parent) -> tuple[collections.Counter, dict[int, tuple[str, in
     joining one's rows to the other's."""
     from callscope import _keras_compat
 
-    attributes = functools.cache(functools.partial(_keras_compat.attribute_names, parent))
-    children = [(child, local_name(parent, child, attributes))
-                for child in _keras_compat.child_layers(parent)]
+    layers = _keras_compat.child_layers(parent)
+    attributes = functools.cache(functools.partial(_keras_compat.attribute_names, parent, layers))
+    children = [(child, local_name(parent, child, attributes)) for child in layers]
     counts = collections.Counter(own for _, own in children)
     if len(counts) < len(children):
         # Where parts repeat, those an attribute holds come first: Keras keeps

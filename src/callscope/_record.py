@@ -1007,8 +1007,10 @@ def install_wrappers(model) -> None:
     for parent in _keras_compat.flatten_layers(model):
         if isinstance(parent, keras.layers.InputLayer):
             continue
-        attributes = functools.cache(functools.partial(_keras_compat.attribute_names, parent))
-        for layer in [parent, *_keras_compat.child_layers(parent)]:
+        children = _keras_compat.child_layers(parent)
+        attributes = functools.cache(functools.partial(_keras_compat.attribute_names, parent,
+                                                       children))
+        for layer in [parent, *children]:
             for name in ("call", "quantized_call"):
                 wrapper = _keras_compat.get_instance_attribute(layer, name)
                 if not isinstance(wrapper, RecordingCall):
