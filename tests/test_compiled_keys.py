@@ -93,6 +93,30 @@ def test_compile_again_clears_the_cache():
     assert builds["predict"] == 4
 
 
+@pytest.mark.filterwarnings("ignore:Layer InputLayer does not have a `quantize` method")
+def test_quantize_drops_every_keys_functions():
+    # Keras drops its own compiled functions when `quantize` changes a layer; on
+    # TF, a key's function compiled before (a context value, a capture) went on
+    # running the float kernels: predict(mode="a") gave the float model's output.
+    x = np.random.default_rng(0).normal(size=(8, 6)).astype("float32")
+    keras.utils.set_random_seed(1)
+    model = cs.Sequential([keras.Input((6,)), keras.layers.Dense(8, name="d1"),
+                           keras.layers.Dense(3, name="d2")], name="s")
+    model.compile(optimizer="sgd", loss="mse")
+    model.register_context_args("mode")
+    floats = model.predict(x, mode="a", verbose=0)
+    with cs.capture(model, "s/d1"):
+        model.predict(x, verbose=0)
+    model.quantize("int8")
+    quantized = keras.ops.convert_to_numpy(model(x))
+    assert np.abs(quantized - floats).max() > 1e-3  # (else the test could not tell)
+    np.testing.assert_array_equal(model.predict(x, mode="a", verbose=0), quantized)
+    with cs.capture(model, "s/d1") as cap:
+        model.predict(x, verbose=0)
+    np.testing.assert_array_equal(
+        cap["s/d1:output"], keras.ops.convert_to_numpy(model.get_layer("d1")(x)))
+
+
 @pytest.mark.parametrize("size", [None, 0, -1, 2.5, True])
 def test_a_cache_size_the_table_cannot_keep_is_refused(size):
     # None failed on a bare `int()` at a new key; 0 and -1 silently meant 1.

@@ -140,6 +140,52 @@ def test_two_instances_with_one_name_keep_their_points_whichever_runs_first():
         np.testing.assert_allclose(model.predict(x, flip=True, verbose=0), np.full((4, 3), 7.0))
 
 
+@pytest.mark.parametrize("change", ["pop", "del"])
+def test_sublayers_changed_between_calls_are_keyed_as_cs_points_keys_them(change):
+    # torch runs a step's Python every step: its key kept the numbering of the
+    # first step's sublayers, so after `pop(0)` the layer `cs.points` calls
+    # `net/d` was captured as `net/d#1` and a patch of `net/d` hit another layer;
+    # after `del net.a` (Keras still tracks `a`, but no attribute holds it now)
+    # `b` stayed `net/d#1`.
+    class Net(cs.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.a = _bias(1.0, name="d")
+            self.ds = [_bias(k, name="d") for k in (2.0, 3.0)]
+
+        def call(self, x):
+            x = self.a(x) if hasattr(self, "a") else x
+            for dense in self.ds:
+                x = dense(x)
+            return x
+
+    net = Net(name="net")
+    x = np.ones((4, 2), "float32")
+    net.compile(optimizer="sgd", loss="mse")
+    last = {"net/d#1": lambda h: h * 0.0}  # the last layer after the change
+    with cs.capture(net, "net/d*"):
+        net.predict(x, verbose=0)
+    with cs.patch(net, {"net/d#2": lambda h: h * 0.0}):
+        net.predict(x, verbose=0)
+    if change == "pop":
+        net.ds.pop(0)  # net/d is a (bias 1), then 3 at net/d#1
+        biases = {"net/d": 1.0, "net/d#1": 3.0}
+    else:
+        del net.a  # net/d is the first of ds (bias 2), then 3
+        biases = {"net/d": 2.0, "net/d#1": 3.0}
+    if BACKEND != "torch":
+        # (Keras's compiled functions keep the layers they traced: README, "Limits".)
+        net.compile(optimizer="sgd", loss="mse")
+    assert [p for p in cs.points(net, x) if p.startswith("net/d")] == list(biases)
+    with cs.capture(net, "net/d*") as cap:
+        net.predict(x, verbose=0)
+    assert sorted(cap) == sorted(f"{p}:output" for p in biases)
+    for point, bias in biases.items():
+        np.testing.assert_array_equal(cap[f"{point}:output"], np.full((4, 2), bias))
+    with cs.patch(net, last):
+        np.testing.assert_array_equal(net.predict(x, verbose=0), np.zeros((4, 2)))
+
+
 def _bias(k, **kwargs):
     return layers.Dense(2, kernel_initializer="zeros",
                         bias_initializer=keras.initializers.Constant(k), **kwargs)

@@ -560,6 +560,15 @@ class Engine(CaptureMixin):
         self._cs_table().clear()
         return super().compile(*args, **kwargs)
 
+    def quantize(self, *args, **kwargs):
+        # Keras drops its compiled functions where quantizing changed a layer
+        # (keras 3.15.1: models/model.py:575); every key's are as stale, and
+        # would run the float layers on (TensorFlow keeps their variables alive).
+        try:
+            return super().quantize(*args, **kwargs)
+        finally:
+            self._cs_table().clear()
+
     def compile_from_config(self, config):
         # Keras skips compiling on load when `compile` is overridden
         # (trainer.py:1003); ours only clears the cache, so compile as stock does,

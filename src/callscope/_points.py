@@ -114,6 +114,23 @@ def sublayer_parts(parent) -> tuple[collections.Counter, dict[int, tuple[str, in
     return counts, places
 
 
+def naming_basis(parent) -> tuple:
+    """What `sublayer_parts(parent)` reads: its sublayers' ids and names, and
+    where it names or orders them by attribute (a name Keras made up, two of one
+    name), the attributes that hold them. Equal bases, equal parts: a cache of
+    the parts is good while its basis is (`del model.a` leaves `a` tracked, but
+    no longer first)."""
+    from callscope import _keras_compat
+
+    layers = _keras_compat.child_layers(parent)
+    basis = tuple((id(child), child.name) for child in layers)
+    if len({name for _, name in basis}) < len(basis) or (
+            not _keras_compat.is_graph_model(parent)
+            and any(_keras_compat.has_automatic_name(child) for child in layers)):
+        basis += tuple(_keras_compat.attribute_names(parent, layers).items())
+    return basis
+
+
 def tree_ranks(top, own_part, skip=frozenset()) -> tuple:
     """(counts, ranks, seen): each layer under `top` (its sublayers' sublayers,
     and so on, depth first in the order each holds them) whose id is not in

@@ -39,7 +39,7 @@ from keras import ops
 
 from callscope import _backend, _inputs, _keras_compat, _recompute, _reduce, _scope
 from callscope._points import (CALL_KINDS, RESERVED, Spec, escaped, found_key, key_name,
-                               local_name, sublayer_parts, tree_ranks)
+                               local_name, naming_basis, sublayer_parts, tree_ranks)
 
 SOWN = "__callscope_sown__"
 OUTPUTS = "__callscope_outputs__"
@@ -113,7 +113,7 @@ class Resolved:
         # (point, kind, id(layer), sown, parent, id(root)) -> (layer, ((index,
         # point as the spec names it, records it, grad source), ...))
         self.selection: dict[tuple, tuple] = {}
-        # id(layer) -> (layer, sublayer_parts); ("ranks", ...) -> (layer, tree_ranks)
+        # id(layer) -> (layer, its naming_basis, sublayer_parts)
         self.sublayers: dict = {}
         self.noted = False  # the points of a step were noted (`_cs_note_points`)
 
@@ -155,7 +155,7 @@ class Collector:
     grad_sources = _Fresh()  # "index|point|grad" -> gradient sources
     versions = _Fresh()  # torch: id(record) -> (point, record, its version when recorded)
     batch_axes = _Fresh()  # "index|point" -> a sown value's batch axis, 0 included
-    parts = _Fresh()  # as `Resolved.sublayers`, for a trace
+    parts = _Fresh()  # as `Resolved.sublayers`, for this step; and `_tree_ranks`
 
     def __init__(self, specs: tuple[Spec, ...], kind: str = "call",
                  resolved: Resolved | None = None):
@@ -245,10 +245,12 @@ class Collector:
 
     def _tree_ranks(self, top, skip, caller=None) -> tuple:
         """`_points.tree_ranks(top, ..., skip)`, by each layer's own part as its
-        calls name it (`RecordingCall.local`, else its name), kept as
-        `_sublayer_parts` (for `caller`, where `top` is an outer layer)."""
+        calls name it (`RecordingCall.local`, else its name), kept by this step
+        (for `caller`, where `top` is an outer layer). Only by this one: it
+        depends on every layer under `top`, which a later step could only check
+        by walking them again (it serves the rare layer its caller does not hold)."""
         key = ("ranks", id(top), id(caller))
-        hit = self.resolved.sublayers.get(key) or self.parts.get(key)
+        hit = self.parts.get(key)
         if hit is not None and hit[0] is top:
             return hit[1]
 
@@ -258,25 +260,27 @@ class Collector:
             return local or escaped(layer.name)
 
         ranks = tree_ranks(top, own_part, skip)
-        if not _backend.is_tracing_now():  # (see `_selection`)
-            self.resolved.sublayers[key] = (top, ranks)
-        else:
-            self.parts[key] = (top, ranks)
+        self.parts[key] = (top, ranks)
         return ranks
 
     def _sublayer_parts(self, layer) -> tuple:
-        """`_points.sublayer_parts(layer)`, kept for the calls that follow: by the
-        key's steps, and by this step (a trace names every sublayer of a model
-        of many in turn)."""
-        hit = self.resolved.sublayers.get(id(layer)) or self.parts.get(id(layer))
+        """`_points.sublayer_parts(layer)`, kept for the calls that follow: by this
+        step (a trace names every sublayer of a model of many in turn), and by the
+        key's steps, checked once a step against what they were made from
+        (`naming_basis`: torch runs a step's Python every step, and a sublayer
+        replaced, added, removed or renamed since, or an attribute deleted, is
+        named as `cs.points` names it, not as the first step did)."""
+        hit = self.parts.get(id(layer))
         if hit is not None and hit[0] is layer:
-            return hit[1]
-        parts = sublayer_parts(layer)
-        if not _backend.is_tracing_now():  # (see `_selection`)
-            self.resolved.sublayers[id(layer)] = (layer, parts)
-        else:
-            self.parts[id(layer)] = (layer, parts)
-        return parts
+            return hit[-1]
+        basis = naming_basis(layer)
+        hit = self.resolved.sublayers.get(id(layer))
+        if hit is None or hit[0] is not layer or hit[1] != basis:
+            hit = (layer, basis, sublayer_parts(layer))
+            if not _backend.is_tracing_now():  # (see `_selection`)
+                self.resolved.sublayers[id(layer)] = hit
+        self.parts[id(layer)] = hit
+        return hit[-1]
 
     def _owned(self, base: str, layer, n: int = 0, tail: str = "") -> str:
         """`base` (then `tail`), or `base#n`: a name no other layer instance has
