@@ -1246,21 +1246,24 @@ def attribute_names(parent, children) -> dict[int, str]:
     them (naming them one by one, a model holding many in a list scanned it once
     per child), and over its containers only for children no attribute holds
     itself (a model may also hold a list of a million strings)."""
-    attributes = [(attr, value) for attr, value in vars(parent).items()
-                  if attr not in _REGISTRIES and not attr.startswith("_self_")]
+    own = vars(parent)
     # torch keeps a module's sublayers in `_modules`, keyed by attribute name.
-    attributes += list(vars(parent).get("_modules", {}).items())
+    attributes = itertools.chain(
+        ((attr, value) for attr, value in own.items()
+         if attr not in _REGISTRIES and not attr.startswith("_self_")),
+        own.get("_modules", {}).items())
     wanted = {id(child) for child in children}
     names: dict[int, str] = {}
+    containers = []
     for attr, value in attributes:
         if id(value) in wanted:
             names.setdefault(id(value), attr.lstrip("_") or attr)
-    for attr, value in attributes:
+        elif isinstance(value, list | tuple | dict):
+            containers.append((attr, value))
+    for attr, value in containers:
         if len(names) == len(wanted):
             break
-        items = (value.items() if isinstance(value, dict)
-                 else enumerate(value) if isinstance(value, list | tuple) else ())
-        for key, item in items:
+        for key, item in value.items() if isinstance(value, dict) else enumerate(value):
             if id(item) in wanted:
                 names.setdefault(id(item), f"{attr.lstrip('_') or attr}_{key}")
     return names

@@ -113,9 +113,21 @@ class Resolved:
         # (point, kind, id(layer), sown, parent, id(root)) -> (layer, ((index,
         # point as the spec names it, records it, grad source), ...))
         self.selection: dict[tuple, tuple] = {}
-        # id(layer) -> (layer, its naming_basis, sublayer_parts)
+        # id(layer) -> (layer, its naming_basis, sublayer_parts); `checked`: the
+        # ids whose basis was checked in `run`, the run whose steps use them now
         self.sublayers: dict = {}
+        self.checked: set[int] = set()
+        self.run = None
         self.noted = False  # the points of a step were noted (`_cs_note_points`)
+
+    def begin(self, run) -> None:
+        """A step of `run`: the first of that run checks each cached numbering again
+        (`Collector._sublayer_parts`). Once a run, not once a step: the check
+        reads every attribute of a parent whose sublayers are named by attribute
+        (about 20 µs each), and the layers change between calls, not within one."""
+        if run is not self.run and not _backend.is_tracing_now():
+            self.run = run
+            self.checked.clear()
 
 
 class _Fresh:
@@ -266,21 +278,24 @@ class Collector:
     def _sublayer_parts(self, layer) -> tuple:
         """`_points.sublayer_parts(layer)`, kept for the calls that follow: by this
         step (a trace names every sublayer of a model of many in turn), and by the
-        key's steps, checked once a step against what they were made from
-        (`naming_basis`: torch runs a step's Python every step, and a sublayer
-        replaced, added, removed or renamed since, or an attribute deleted, is
-        named as `cs.points` names it, not as the first step did)."""
+        key's steps, checked in each run's first step against what they were made
+        from (`naming_basis`: torch runs a step's Python every step, and a
+        sublayer replaced, added, removed or renamed since, or an attribute
+        deleted, is named as `cs.points` names it, not as the first run did)."""
         hit = self.parts.get(id(layer))
         if hit is not None and hit[0] is layer:
-            return hit[-1]
-        basis = naming_basis(layer)
-        hit = self.resolved.sublayers.get(id(layer))
-        if hit is None or hit[0] is not layer or hit[1] != basis:
-            hit = (layer, basis, sublayer_parts(layer))
+            return hit[1]
+        resolved = self.resolved
+        kept = resolved.sublayers.get(id(layer))
+        if kept is None or kept[0] is not layer or id(layer) not in resolved.checked:
+            basis = naming_basis(layer)
+            if kept is None or kept[0] is not layer or kept[1] != basis:
+                kept = (layer, basis, sublayer_parts(layer))
             if not _backend.is_tracing_now():  # (see `_selection`)
-                self.resolved.sublayers[id(layer)] = hit
-        self.parts[id(layer)] = hit
-        return hit[-1]
+                resolved.sublayers[id(layer)] = kept
+                resolved.checked.add(id(layer))
+        self.parts[id(layer)] = (layer, kept[2])
+        return kept[2]
 
     def _owned(self, base: str, layer, n: int = 0, tail: str = "") -> str:
         """`base` (then `tail`), or `base#n`: a name no other layer instance has
