@@ -62,6 +62,36 @@ def test_tensorboard_records_scalars_and_histograms(tmp_path):
     assert "seq/hidden:output/hist" in tags["tensors"] | tags.get("histograms", set())
 
 
+@pytest.mark.filterwarnings("ignore:Gradients do not exist for variables")  # (a skipped)
+def test_an_epoch_that_never_reaches_a_point_logs_nan_and_keeps_history_aligned():
+    # An eager step (torch's; `run_eagerly` on JAX and TF) may skip a point in an
+    # epoch: History's list for it lost that epoch, and the next epoch's value
+    # took its place.
+    class Net(cs.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.b = keras.layers.Dense(3, name="b", kernel_initializer="ones")
+            self.a = keras.layers.Dense(3, name="a", kernel_initializer="ones")
+            self.use_a = True
+
+        def call(self, x):
+            h = self.b(x)
+            return self.a(h) if self.use_a else h
+
+    class SkipSecondEpoch(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.model.use_a = epoch != 1
+
+    net = Net(name="net")
+    net.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse", run_eagerly=True)
+    x, y = np.ones((16, 2), "float32"), np.zeros((16, 3), "float32")
+    with cs.capture(net, ["net/a", "net/b"], reduce=("mean",), log=True):
+        history = net.fit(x, y, batch_size=8, epochs=3, verbose=0,
+                          callbacks=[SkipSecondEpoch()]).history
+    assert history["net/b:output/mean"] == [2.0, 2.0, 2.0]
+    np.testing.assert_array_equal(history["net/a:output/mean"], [6.0, np.nan, 6.0])
+
+
 def test_log_needs_statistics():
     with pytest.raises(ValueError, match="give `reduce=`"):
         cs.capture(_model(), log=True)

@@ -403,8 +403,9 @@ class Engine(CaptureMixin):
                     landing.end(error)
                 raise
             run.end()
-            self._cs_check_reached(run.patches, run.method,
-                                   entry.hits.get(CALL_KINDS[method], set()))
+            reached = run.eager_hits.get(CALL_KINDS[method])
+            self._cs_check_reached(run.patches, run.method, reached if reached is not None
+                                   else entry.hits.get(CALL_KINDS[method], set()))
             if run.offset is not None:
                 run.offset.check_end()
             return result

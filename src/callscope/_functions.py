@@ -114,6 +114,12 @@ def step_closure(model, kind, values, specs, patches, reads, hits, used):
                 result = step(model, *args, **kwargs)
             result = _steps.unsmuggle(result, collector)
             model._cs_note_points(collector, active, hits, resolved)
+            if active is not None and not _backend.is_tracing_now():
+                # An eager step: its run checks what its own steps reached, not
+                # what the key's steps reached in earlier runs (a branch taken then).
+                run = _scope.run_of(model)
+                if run is not None:
+                    run.eager_hits.setdefault(kind, set()).update(active.hits)
             sown = _steps.finalize(collector, kind, args, kwargs)
             return _steps.attach(kind, result, sown) if sown else result
         finally:

@@ -59,6 +59,11 @@ class EpochStatistics(keras_callbacks.ProgbarLogger):
         for key in call._steps:
             rows = call.step_rows(key, self._start.get(key, 0))
             if not len(next(iter(rows.values()))):
+                # A point no step of this epoch reached (torch runs each step's
+                # Python: a branch not taken) logs NaN: History keeps one value
+                # an epoch, where a missing one moved the next epoch's into its place.
+                scalars.update({f"{key}/{stat}": float("nan")
+                                for stat in self.capture.spec.stats if stat != "hist"})
                 continue
             merged = _reduce.merge(rows)
             for stat in self.capture.spec.stats:

@@ -52,6 +52,10 @@ class Run:
     scopes: tuple = ()  # the caller's scopes as the call began (`_scope.scopes_now`)
     # kind of step -> its dynamic inputs (`_inputs.py`), made at its first step
     inputs: dict = field(default_factory=dict)
+    # kind of step -> the patched points its eager steps reached (torch, or
+    # `run_eagerly`: their Python runs every step, so this run's own reach is
+    # known; a compiled step's is its trace's, kept by the key)
+    eager_hits: dict = field(default_factory=dict)
 
     @property
     def has_inputs(self) -> bool:
