@@ -186,6 +186,38 @@ def test_sublayers_changed_between_calls_are_keyed_as_cs_points_keys_them(change
         np.testing.assert_array_equal(net.predict(x, verbose=0), np.zeros((4, 2)))
 
 
+def test_sublayers_changed_by_a_callback_within_a_call_are_keyed_anew_from_the_next_step():
+    # An eager step (torch's; `run_eagerly`) runs its Python every step: a layer
+    # popped by a callback between two batches of one predict left the rest of
+    # the call numbered as before (the last layer's rows under `net/d#2`, which
+    # `cs.points` no longer lists, and a patch of `net/d#1` reached nothing).
+    class Net(cs.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.ds = [_bias(k, name="d") for k in (1.0, 10.0, 100.0)]
+
+        def call(self, x):
+            for dense in self.ds:
+                x = dense(x)
+            return x
+
+    class PopAfterFirstBatch(keras.callbacks.Callback):
+        def on_predict_batch_end(self, batch, logs=None):
+            if batch == 0:
+                self.model.ds.pop(0)
+
+    net = Net(name="net")
+    net.compile(loss="mse", run_eagerly=True)
+    x = np.ones((8, 2), "float32")
+    net.predict(x, batch_size=4, verbose=0)
+    with cs.capture(net, "net/d*") as cap:
+        net.predict(x, batch_size=4, verbose=0, callbacks=[PopAfterFirstBatch()])
+    assert sorted(cap) == ["net/d#1:output", "net/d#2:output", "net/d:output"]
+    np.testing.assert_array_equal(cap["net/d:output"][:, 0], [1] * 4 + [10] * 4)
+    np.testing.assert_array_equal(cap["net/d#1:output"][:, 0], [10] * 4 + [100] * 4)
+    np.testing.assert_array_equal(cap["net/d#2:output"][:, 0], [100] * 4)
+
+
 def _bias(k, **kwargs):
     return layers.Dense(2, kernel_initializer="zeros",
                         bias_initializer=keras.initializers.Constant(k), **kwargs)

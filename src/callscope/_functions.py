@@ -102,7 +102,8 @@ def step_closure(model, kind, values, specs, patches, reads, hits, used):
     def _recording_step(*args, **kwargs):
         offset = model._cs.rows_offset if patches else None
         args, inputs = _inputs.unwrap(model, args)
-        resolved.begin(_scope.run_of(model))
+        if not _backend.is_tracing_now():  # (torch.compile would guard on the run)
+            resolved.begin(_scope.run_of(model))
         collector = _record.Collector(specs, kind, resolved)
         active = _record.Patches(patches, offset, inputs) if patches else None
         outer = _record.activate(collector, active)

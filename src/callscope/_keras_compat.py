@@ -1255,16 +1255,20 @@ def attribute_names(parent, children) -> dict[int, str]:
     wanted = {id(child) for child in children}
     names: dict[int, str] = {}
     containers = []
+    # (Ids of layers alone: torch.compile, tracing this, guards on the id of each
+    # object it is asked for, and Keras makes some anew each call: its torch
+    # `_torch_params`, a compile each `fit`.)
     for attr, value in attributes:
-        if id(value) in wanted:
-            names.setdefault(id(value), attr.lstrip("_") or attr)
+        if isinstance(value, keras.layers.Layer):
+            if id(value) in wanted:
+                names.setdefault(id(value), attr.lstrip("_") or attr)
         elif isinstance(value, list | tuple | dict):
             containers.append((attr, value))
     for attr, value in containers:
         if len(names) == len(wanted):
             break
         for key, item in value.items() if isinstance(value, dict) else enumerate(value):
-            if id(item) in wanted:
+            if isinstance(item, keras.layers.Layer) and id(item) in wanted:
                 names.setdefault(id(item), f"{attr.lstrip('_') or attr}_{key}")
     return names
 

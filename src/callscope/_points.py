@@ -16,7 +16,6 @@ from __future__ import annotations
 import collections
 import difflib
 import fnmatch
-import functools
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -78,13 +77,29 @@ def local_name(parent, child, attributes: Callable[[], dict] | None = None) -> s
     if parent is None or _keras_compat.is_graph_model(parent) \
             or not _keras_compat.has_automatic_name(child):
         return escaped(child.name)
-    attributes = attributes or functools.partial(_keras_compat.attribute_names, parent, [child])
-    attribute = attributes().get(id(child))
+    held = attributes() if attributes else _keras_compat.attribute_names(parent, [child])
+    attribute = held.get(id(child))
     if attribute is not None:  # (a dict's key is in it: `heads_x/y`)
         return escaped(attribute)
     name = child.name
     base = name.rstrip("0123456789")
     return escaped(base[:-1] if base.endswith("_") and base != name else name)
+
+
+def held_once(parent, children) -> Callable[[], dict]:
+    """A function giving `_keras_compat.attribute_names(parent, children)`, read at
+    its first call (most parents need none). A closure, not `functools.cache`,
+    which torch.compile cannot trace: a graph break in every layer call."""
+    from callscope import _keras_compat
+
+    found = []
+
+    def attributes():
+        if not found:
+            found.append(_keras_compat.attribute_names(parent, children))
+        return found[0]
+
+    return attributes
 
 
 def sublayer_parts(parent) -> tuple[collections.Counter, dict[int, tuple[str, int]]]:
@@ -98,7 +113,7 @@ def sublayer_parts(parent) -> tuple[collections.Counter, dict[int, tuple[str, in
     from callscope import _keras_compat
 
     layers = _keras_compat.child_layers(parent)
-    attributes = functools.cache(functools.partial(_keras_compat.attribute_names, parent, layers))
+    attributes = held_once(parent, layers)
     children = [(child, local_name(parent, child, attributes)) for child in layers]
     counts = collections.Counter(own for _, own in children)
     if len(counts) < len(children):
@@ -114,6 +129,12 @@ def sublayer_parts(parent) -> tuple[collections.Counter, dict[int, tuple[str, in
     return counts, places
 
 
+def sublayer_basis(layers) -> tuple:
+    """The part of `naming_basis` that a step checks cheaply: the ids and names of
+    a parent's sublayers (`layers`)."""
+    return tuple((id(child), child.name) for child in layers)
+
+
 def naming_basis(parent) -> tuple:
     """What `sublayer_parts(parent)` reads: its sublayers' ids and names, and
     where it names or orders them by attribute (a name Keras made up, two of one
@@ -123,7 +144,7 @@ def naming_basis(parent) -> tuple:
     from callscope import _keras_compat
 
     layers = _keras_compat.child_layers(parent)
-    basis = tuple((id(child), child.name) for child in layers)
+    basis = sublayer_basis(layers)
     if len({name for _, name in basis}) < len(basis) or (
             not _keras_compat.is_graph_model(parent)
             and any(_keras_compat.has_automatic_name(child) for child in layers)):

@@ -30,6 +30,7 @@ import contextlib
 import functools
 import inspect
 import threading
+import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
 
@@ -39,7 +40,8 @@ from keras import ops
 
 from callscope import _backend, _inputs, _keras_compat, _recompute, _reduce, _scope
 from callscope._points import (CALL_KINDS, RESERVED, Spec, escaped, found_key, key_name,
-                               local_name, naming_basis, sublayer_parts, tree_ranks)
+                               held_once, local_name, naming_basis, sublayer_basis,
+                               sublayer_parts, tree_ranks)
 
 SOWN = "__callscope_sown__"
 OUTPUTS = "__callscope_outputs__"
@@ -113,20 +115,22 @@ class Resolved:
         # (point, kind, id(layer), sown, parent, id(root)) -> (layer, ((index,
         # point as the spec names it, records it, grad source), ...))
         self.selection: dict[tuple, tuple] = {}
-        # id(layer) -> (layer, its naming_basis, sublayer_parts); `checked`: the
-        # ids whose basis was checked in `run`, the run whose steps use them now
+        # id(layer) -> (layer, its sublayer_basis, naming_basis, sublayer_parts);
+        # `checked`: the ids whose basis was checked in `run` (a weak reference:
+        # a run holds its captures' values), the run whose steps use them now
         self.sublayers: dict = {}
         self.checked: set[int] = set()
         self.run = None
         self.noted = False  # the points of a step were noted (`_cs_note_points`)
 
     def begin(self, run) -> None:
-        """A step of `run`: the first of that run checks each cached numbering again
-        (`Collector._sublayer_parts`). Once a run, not once a step: the check
-        reads every attribute of a parent whose sublayers are named by attribute
-        (about 20 µs each), and the layers change between calls, not within one."""
-        if run is not self.run and not _backend.is_tracing_now():
-            self.run = run
+        """A step of `run`: the first of that run checks each cached numbering
+        against the parents' attributes again (`Collector._sublayer_parts`). Once a
+        run, not once a step: that reads every attribute of a parent whose
+        sublayers are named by attribute (about 20 µs each); the sublayers
+        themselves are checked every step."""
+        if self.run is None or self.run() is not run:
+            self.run = weakref.ref(run) if run is not None else None
             self.checked.clear()
 
 
@@ -278,24 +282,31 @@ class Collector:
     def _sublayer_parts(self, layer) -> tuple:
         """`_points.sublayer_parts(layer)`, kept for the calls that follow: by this
         step (a trace names every sublayer of a model of many in turn), and by the
-        key's steps, checked in each run's first step against what they were made
-        from (`naming_basis`: torch runs a step's Python every step, and a
-        sublayer replaced, added, removed or renamed since, or an attribute
-        deleted, is named as `cs.points` names it, not as the first run did)."""
+        key's steps, checked against what they were made from: the sublayers'
+        ids and names every step (`sublayer_basis`), the attributes too in each
+        run's first (`naming_basis`). torch runs a step's Python every step: a
+        sublayer replaced, added, removed or renamed since (by a callback, within
+        the call too), or an attribute deleted, is named as `cs.points` names it."""
         hit = self.parts.get(id(layer))
         if hit is not None and hit[0] is layer:
             return hit[1]
         resolved = self.resolved
         kept = resolved.sublayers.get(id(layer))
-        if kept is None or kept[0] is not layer or id(layer) not in resolved.checked:
-            basis = naming_basis(layer)
-            if kept is None or kept[0] is not layer or kept[1] != basis:
-                kept = (layer, basis, sublayer_parts(layer))
-            if not _backend.is_tracing_now():  # (see `_selection`)
+        if _backend.is_tracing_now():
+            # A trace names its layers once; kept by it alone (see `_selection`),
+            # and with no check, whose reads torch.compile would guard on.
+            kept = (layer, None, None, sublayer_parts(layer))
+        else:
+            cheap = sublayer_basis(_keras_compat.child_layers(layer))  # (every step)
+            if kept is None or kept[0] is not layer or kept[1] != cheap \
+                    or id(layer) not in resolved.checked:
+                basis = naming_basis(layer)
+                if kept is None or kept[0] is not layer or kept[2] != basis:
+                    kept = (layer, cheap, basis, sublayer_parts(layer))
                 resolved.sublayers[id(layer)] = kept
                 resolved.checked.add(id(layer))
-        self.parts[id(layer)] = (layer, kept[2])
-        return kept[2]
+        self.parts[id(layer)] = (layer, kept[-1])
+        return kept[-1]
 
     def _owned(self, base: str, layer, n: int = 0, tail: str = "") -> str:
         """`base` (then `tail`), or `base#n`: a name no other layer instance has
@@ -1027,8 +1038,7 @@ def install_wrappers(model) -> None:
         if isinstance(parent, keras.layers.InputLayer):
             continue
         children = _keras_compat.child_layers(parent)
-        attributes = functools.cache(functools.partial(_keras_compat.attribute_names, parent,
-                                                       children))
+        attributes = held_once(parent, children)
         for layer in [parent, *children]:
             for name in ("call", "quantized_call"):
                 wrapper = _keras_compat.get_instance_attribute(layer, name)
