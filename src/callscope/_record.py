@@ -171,7 +171,7 @@ class Collector:
     grad_sources = _Fresh()  # "index|point|grad" -> gradient sources
     versions = _Fresh()  # torch: id(record) -> (point, record, its version when recorded)
     batch_axes = _Fresh()  # "index|point" -> a sown value's batch axis, 0 included
-    parts = _Fresh()  # as `Resolved.sublayers`, for this step; and `_tree_ranks`
+    parts = _Fresh()  # id(layer) -> (layer, sublayer_parts) for this step; `_tree_ranks`
 
     def __init__(self, specs: tuple[Spec, ...], kind: str = "call",
                  resolved: Resolved | None = None):
@@ -285,18 +285,19 @@ class Collector:
         key's steps, checked against what they were made from: the sublayers'
         ids and names every step (`sublayer_basis`), the attributes too in each
         run's first (`naming_basis`). torch runs a step's Python every step: a
-        sublayer replaced, added, removed or renamed since (by a callback, within
-        the call too), or an attribute deleted, is named as `cs.points` names it."""
+        sublayer replaced, added, removed or renamed since the last call, or one
+        removed by a callback within a call, or an attribute deleted, is named as
+        `cs.points` names it."""
         hit = self.parts.get(id(layer))
         if hit is not None and hit[0] is layer:
             return hit[1]
         resolved = self.resolved
-        kept = resolved.sublayers.get(id(layer))
         if _backend.is_tracing_now():
             # A trace names its layers once; kept by it alone (see `_selection`),
-            # and with no check, whose reads torch.compile would guard on.
+            # and with no check or cache, whose reads torch.compile would guard on.
             kept = (layer, None, None, sublayer_parts(layer))
         else:
+            kept = resolved.sublayers.get(id(layer))
             cheap = sublayer_basis(_keras_compat.child_layers(layer))  # (every step)
             if kept is None or kept[0] is not layer or kept[1] != cheap \
                     or id(layer) not in resolved.checked:
