@@ -17,12 +17,18 @@ within a run makes it narrower than it should be.
     ['holds', 'undecided', 'misses']
 """
 
+import argparse
 import gc
 import math
+import os
 import re
 import statistics
+import subprocess
+import sys
 import time
 from typing import NamedTuple
+
+BACKENDS = ("jax", "tensorflow", "torch")
 
 
 class Figure(NamedTuple):
@@ -114,3 +120,38 @@ def table(title: str, rows, reference_word: str = "reference") -> str:
             f"[{low:5.3f}, {high:5.3f}]  ({reference_word} {figure.reference * 1000:7.1f} ms)"
             f"  {note}{'  ' + judged if judged else ''}")
     return "\n".join(lines)
+
+
+def backend_parser(doc: str, repeats: int) -> argparse.ArgumentParser:
+    """A benchmark's command line: `--backend` (one, in this process; without it,
+    each in a process of its own) and `--repeats`."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--backend", choices=BACKENDS)
+    parser.add_argument("--repeats", type=int, default=repeats)
+    return parser
+
+
+def use_backend(backend: str) -> None:
+    """Makes this process's Keras `backend`. Keras reads KERAS_BACKEND when first
+    imported (a benchmark's run_backend imports it): without this, `--backend
+    torch` would silently time keras.json's backend."""
+    os.environ["KERAS_BACKEND"] = backend
+
+
+def each_backend(script: str, *argv: str) -> None:
+    """Runs `script --backend B *argv` for each backend, each in a process of its
+    own: Keras fixes its backend at import."""
+    for backend in BACKENDS:
+        subprocess.run([sys.executable, script, "--backend", backend, *argv],
+                       env={**os.environ, "KERAS_BACKEND": backend}, check=True)
+
+
+def per_backend(script: str, doc: str, run_backend, repeats: int) -> None:
+    """The whole `main` of a benchmark whose `run_backend(repeats)` times the
+    backend this process runs."""
+    args = backend_parser(doc, repeats).parse_args()
+    if args.backend:
+        use_backend(args.backend)
+        run_backend(args.repeats)
+    else:
+        each_backend(script, "--repeats", str(args.repeats))

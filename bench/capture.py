@@ -32,9 +32,8 @@ import subprocess
 import sys
 import tempfile
 
-from _paired import paired, table
+from _paired import backend_parser, each_backend, paired, table, use_backend
 
-BACKENDS = ("jax", "tensorflow", "torch")
 FEATURES, UNITS, BLOCKS, ROWS, BATCH = 256, 512, 8, 8192, 256
 
 
@@ -277,9 +276,7 @@ def run_rss(scale):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backend", choices=BACKENDS)
-    parser.add_argument("--repeats", type=int, default=7)
+    parser = backend_parser(__doc__, repeats=7)
     parser.add_argument("--only", default="",
                         help="comma-separated numbers of the figures to run (see above)")
     parser.add_argument("--rss", type=int, help=argparse.SUPPRESS)
@@ -289,9 +286,7 @@ def main():
         return
     only = {int(n) for n in args.only.split(",") if n}
     if args.backend:
-        # Keras reads KERAS_BACKEND when first imported (run_backend imports it):
-        # without this, `--backend torch` would silently time keras.json's backend.
-        os.environ["KERAS_BACKEND"] = args.backend
+        use_backend(args.backend)
         run_backend(args.repeats, only)
         if only and 6 not in only:
             return
@@ -325,10 +320,7 @@ def main():
                       f"{b[3] / a[3]:6.3f}x   (peak {a[3]:.0f} -> {b[3]:.0f} MiB, "
                       f"{a[4]:+.0f} -> {b[4]:+.0f} MiB over the pass's start)")
         return
-    for backend in BACKENDS:
-        subprocess.run([sys.executable, __file__, "--backend", backend,
-                        "--repeats", str(args.repeats), "--only", args.only],
-                       env={**os.environ, "KERAS_BACKEND": backend}, check=True)
+    each_backend(__file__, "--repeats", str(args.repeats), "--only", args.only)
 
 
 if __name__ == "__main__":

@@ -9,15 +9,7 @@ Usage:
     python bench/context_overhead.py --backend jax --repeats 9
 """
 
-import argparse
-import os
-import subprocess
-import sys
-
-from _paired import paired, table
-
-BACKENDS = ("jax", "tensorflow", "torch")
-
+from _paired import paired, per_backend, table
 
 def run_backend(repeats):
     import keras
@@ -115,20 +107,7 @@ def run_backend(repeats):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backend", choices=BACKENDS)
-    parser.add_argument("--repeats", type=int, default=7)
-    args = parser.parse_args()
-    if args.backend:
-        # Keras reads KERAS_BACKEND when first imported (run_backend imports it):
-        # without this, `--backend torch` would silently time keras.json's backend.
-        os.environ["KERAS_BACKEND"] = args.backend
-        run_backend(args.repeats)
-        return
-    for backend in BACKENDS:
-        env = {**os.environ, "KERAS_BACKEND": backend}
-        subprocess.run([sys.executable, __file__, "--backend", backend,
-                        "--repeats", str(args.repeats)], env=env, check=True)
+    per_backend(__file__, __doc__, run_backend, repeats=7)
 
 
 if __name__ == "__main__":

@@ -14,14 +14,8 @@ Usage:
     python bench/eager_calls.py --backend torch --repeats 15
 """
 
-import argparse
-import os
-import subprocess
-import sys
+from _paired import paired, per_backend, table
 
-from _paired import paired, table
-
-BACKENDS = ("jax", "tensorflow", "torch")
 BLOCKS = 60
 
 
@@ -103,18 +97,7 @@ def run_backend(repeats):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backend", choices=BACKENDS)
-    parser.add_argument("--repeats", type=int, default=9)
-    args = parser.parse_args()
-    if args.backend:
-        os.environ["KERAS_BACKEND"] = args.backend  # read when Keras is first imported
-        run_backend(args.repeats)
-        return
-    for backend in BACKENDS:
-        env = {**os.environ, "KERAS_BACKEND": backend}
-        subprocess.run([sys.executable, __file__, "--backend", backend,
-                        "--repeats", str(args.repeats)], env=env, check=True)
+    per_backend(__file__, __doc__, run_backend, repeats=9)
 
 
 if __name__ == "__main__":

@@ -139,3 +139,18 @@ class SowsWithoutBatchAxis(layers.Layer):
 
     def get_config(self):
         return {**super().get_config(), "of_rows": self.of_rows}
+
+
+class Branching(cs.Model):
+    """Runs `a` after `b` where `use_a` says: Python each step in an eager step,
+    so a step can skip a point an earlier step reached."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.b = keras.layers.Dense(3, name="b", kernel_initializer="ones")
+        self.a = keras.layers.Dense(3, name="a", kernel_initializer="ones")
+        self.use_a = True
+
+    def call(self, x):
+        h = self.b(x)
+        return self.a(h) if self.use_a else h

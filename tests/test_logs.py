@@ -6,6 +6,7 @@ import glob
 import keras
 import numpy as np
 import pytest
+from models_for_tests import Branching
 
 import callscope as cs
 
@@ -67,22 +68,11 @@ def test_an_epoch_that_never_reaches_a_point_logs_nan_and_keeps_history_aligned(
     # An eager step (torch's; `run_eagerly` on JAX and TF) may skip a point in an
     # epoch: History's list for it lost that epoch, and the next epoch's value
     # took its place.
-    class Net(cs.Model):
-        def __init__(self, **kwargs):
-            super().__init__(**kwargs)
-            self.b = keras.layers.Dense(3, name="b", kernel_initializer="ones")
-            self.a = keras.layers.Dense(3, name="a", kernel_initializer="ones")
-            self.use_a = True
-
-        def call(self, x):
-            h = self.b(x)
-            return self.a(h) if self.use_a else h
-
     class SkipSecondEpoch(keras.callbacks.Callback):
         def on_epoch_begin(self, epoch, logs=None):
             self.model.use_a = epoch != 1
 
-    net = Net(name="net")
+    net = Branching(name="net")
     net.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse", run_eagerly=True)
     x, y = np.ones((16, 2), "float32"), np.zeros((16, 3), "float32")
     with cs.capture(net, ["net/a", "net/b"], reduce=("mean",), log=True):

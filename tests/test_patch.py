@@ -7,6 +7,7 @@ import keras
 import numpy as np
 import pytest
 from conftest import BACKEND, numpy
+from models_for_tests import Branching
 
 import callscope as cs
 
@@ -127,26 +128,12 @@ def test_patched_runs_in_fit_and_unknown_points_are_named():
             pass
 
 
-class _Branching(cs.Model):
-    """Runs `a` where `use_a` says: Python each step in an eager step."""
-
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.b = keras.layers.Dense(3, name="b", kernel_initializer="ones")
-        self.a = keras.layers.Dense(3, name="a", kernel_initializer="ones")
-        self.use_a = True
-
-    def call(self, x):
-        h = self.b(x)
-        return self.a(h) if self.use_a else h
-
-
 def test_an_eager_call_that_never_reaches_a_patch_raises_though_an_earlier_one_did():
     # Eager steps (torch's; `run_eagerly` on JAX and TF) run their Python every
     # step, so a call can skip a point that an earlier call with the same patch
     # reached: the key's reached points were shared by every call, and the second
     # call ran unpatched with no error.
-    model = _Branching(name="net")
+    model = Branching(name="net")
     model.compile(loss="mse", run_eagerly=True)
     x = np.ones((4, 2), "float32")
     zero = lambda h: h * 0.0  # noqa: E731 (one function object: one key)
