@@ -7,7 +7,7 @@ import keras
 import numpy as np
 import pytest
 from conftest import BACKEND, numpy
-from models_for_tests import Branching
+from models_for_tests import Branching, SkipsOnShortBatches
 
 import callscope as cs
 
@@ -143,6 +143,91 @@ def test_an_eager_call_that_never_reaches_a_patch_raises_though_an_earlier_one_d
     with pytest.raises(ValueError, match=r"never reached \['net/a'\] in this `predict`"):
         with cs.patch(model, {"net/a": zero}):
             model.predict(x, verbose=0)
+
+
+class _ByWidth(cs.Model):
+    """Runs `a` for inputs of 2 features only: a batch of 3 features makes another
+    trace (on every backend), which never reaches it."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.b = keras.layers.Dense(3, name="b", kernel_initializer="ones")
+        self.a = keras.layers.Dense(3, name="a", kernel_initializer="ones")
+
+    def call(self, x):
+        h = self.b(x[:, :2])
+        return self.a(h) if x.shape[-1] == 2 else h
+
+
+@pytest.mark.filterwarnings("ignore:Gradients do not exist for variables")  # (a skipped)
+@pytest.mark.parametrize("method", ["predict", "evaluate", "fit"])
+def test_a_call_whose_trace_never_reaches_a_patch_raises_though_an_earlier_trace_did(method):
+    # The traces of one key (one patch function) pooled the points they reached: a
+    # second call whose batches had another shape, and so another trace that took
+    # another branch, ran unpatched with no error because the first call's trace
+    # had reached the point (JAX and TF; torch's eager steps were checked per call).
+    model = _ByWidth(name="net")
+    model.compile(loss="mse", optimizer=keras.optimizers.SGD(0.0))
+    narrow, wide = np.ones((8, 2), "float32"), np.ones((8, 3), "float32")
+    zero = lambda h: h * 0.0  # noqa: E731 (one function object: one key)
+
+    def call(x):
+        kwargs = {} if method == "predict" else {"y": np.zeros((8, 3), "float32")}
+        return getattr(model, method)(x, batch_size=4, verbose=0, **kwargs)
+
+    with cs.patch(model, {"net/a": zero}):
+        call(narrow)
+        np.testing.assert_array_equal(model.predict(narrow, verbose=0), np.zeros((8, 3)))
+    with pytest.raises(ValueError, match=rf"never reached \['net/a'\] in this `{method}`"):
+        with cs.patch(model, {"net/a": zero}):
+            call(wide)
+    if method == "predict":  # both traces in one call: it reached the point
+        with cs.patch(model, {"net/a": zero}):
+            result = model.predict(_Widths([2, 3]), verbose=0)
+        np.testing.assert_array_equal(result, [[0.0] * 3] * 4 + [[2.0] * 3] * 4)
+
+
+def test_a_call_of_more_steps_than_the_run_holds_numbers_for_is_checked_whole():
+    # A run keeps its steps' trace numbers as the steps returned them, and folds
+    # them into a set past 256 steps: a trace seen before the fold still counts.
+    model = _ByWidth(name="net")
+    model.compile(loss="mse")
+    zero = lambda h: h * 0.0  # noqa: E731
+    with cs.patch(model, {"net/a": zero}):
+        out = model.predict(np.ones((300, 2), "float32"), batch_size=1, verbose=0)
+    np.testing.assert_array_equal(out, np.zeros((300, 3)))
+    with pytest.raises(ValueError, match=r"never reached \['net/a'\]"):
+        with cs.patch(model, {"net/a": zero}):
+            model.predict(np.ones((300, 3), "float32"), batch_size=1, verbose=0)
+
+
+def test_a_patch_that_some_steps_of_one_execution_reach_raises_nothing():
+    # steps_per_execution=3 puts a predict's three steps (8, 8 and 4 rows) in one TF
+    # graph, one trace: the last step's reach (it skips `a`) replaced the others',
+    # and a call that patched rows 0:16 raised that it never reached the patch.
+    if BACKEND == "torch":
+        pytest.skip("Keras's torch backend only supports steps_per_execution=1")
+    model = SkipsOnShortBatches(name="net")
+    model.compile(loss="mse", steps_per_execution=3)
+    x = np.arange(40, dtype="float32").reshape(20, 2) / 40
+    with cs.patch(model, {"net/a": lambda h: h * 0.0}):
+        out = model.predict(x, batch_size=8, verbose=0)
+    np.testing.assert_array_equal(out[:16], np.zeros((16, 3)))
+    np.testing.assert_allclose(out[16:], x[16:] @ np.ones((2, 3)), rtol=1e-6)  # b alone
+
+
+class _Widths(keras.utils.PyDataset):
+    """Batches of 4 rows of ones, with `widths[i]` features in batch `i`."""
+
+    def __init__(self, widths):
+        super().__init__()
+        self.widths = widths
+
+    def __len__(self):
+        return len(self.widths)
+
+    def __getitem__(self, index):
+        return np.ones((4, self.widths[index]), "float32"), np.zeros((4, 3), "float32")
 
 
 class _Tables(keras.utils.PyDataset):

@@ -11,6 +11,9 @@ import contextlib
 import functools
 import itertools
 import re
+import threading
+import weakref
+from typing import Any, NamedTuple
 
 import keras
 import numpy as np
@@ -55,6 +58,50 @@ def is_tracing_now() -> bool:
 
         return bool(torch.compiler.is_compiling())
     return False
+
+
+_TRACE_NUMBERS = itertools.count(1)
+_GRAPH_TRACES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_TRACE_LOCK = threading.Lock()
+
+
+class Trace(NamedTuple):
+    number: int
+    tensor: Any  # the number, as a step returns it: int32, shape (1,)
+
+
+def new_trace() -> Trace:
+    """A number for the trace being built (`is_tracing_now`). On TF, the same for
+    every replica of a tf.distribute strategy: their threads trace the step into
+    one graph, and Keras averages or joins what they return. On torch, a constant
+    of the dynamo graph (`assume_constant_result`): traced as a counter, dynamo
+    would guard on it and compile again at every step."""
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        graph = tf.compat.v1.get_default_graph()
+        with _TRACE_LOCK:
+            if graph not in _GRAPH_TRACES:
+                _GRAPH_TRACES[graph] = next(_TRACE_NUMBERS)
+            number = _GRAPH_TRACES[graph]
+        return Trace(number, tf.constant([number], tf.int32))
+    if BACKEND == "torch":
+        import torch
+
+        number = _constant_trace_number()
+        return Trace(number, torch.tensor([number], dtype=torch.int32))
+    number = next(_TRACE_NUMBERS)
+    return Trace(number, keras.ops.convert_to_tensor(np.asarray([number], "int32")))
+
+
+def _next_trace_number() -> int:
+    return next(_TRACE_NUMBERS)
+
+
+if BACKEND == "torch":
+    import torch
+
+    _constant_trace_number = torch.compiler.assume_constant_result(_next_trace_number)
 
 
 def untraced(fn):

@@ -212,7 +212,10 @@ class Capture(Mapping):
         if not top:
             raise KeyError(f"{key!r} was not captured: no call in this capture recorded "
                            "anything yet")
-        value = _sinks.read(top, key)
+        # (full rows: every call of the method that ran, to check each recorded it)
+        joined = () if self.spec.stats else [
+            (i, c) for i, c in enumerate(self.calls) if not c.nested and c.method == top[0].method]
+        value = _sinks.read(top, key, joined)
         failed = [i for i, call in enumerate(self.calls)
                   if call.failed and key in call._names() and any(call is t for t in top)]
         if failed and len(top) > 1:  # (its rows stop early: the joined rows would not
@@ -385,7 +388,8 @@ class Capture(Mapping):
         # rows stop short, as the writer's `Call.failed` and warning said.)
         index = {"owner": self._id, "calls": [{"method": c.method, "nested": c.nested,
                             "dir": os.path.basename(c._dir), "files": c.files(),
-                            "failed": c.failed, "running": c._running}
+                            "failed": c.failed, "running": c._running,
+                            "steps": c._run_steps()}
                            for c in self.calls]}
         me, processes = _backend.process_index()
         if processes == 1:
@@ -461,7 +465,13 @@ class Capture(Mapping):
             near = points[:8]
         elif matched := [p for p in points if p in self.model._cs.seen  # ran
                          and self.spec.selects(p, None, False)]:
-            return _no_kind(matched, self.model._cs.seen, wanted, self.spec.kinds)
+            seen, asked = self.model._cs.seen, set(self.spec.kinds) - {"grad"}
+            if not (had := [p for p in matched if asked & set(_SORTS[seen[p]][1])]):
+                return _no_kind(matched, seen, wanted, self.spec.kinds)
+            # (`seen` is every call's, since the model was made: an earlier one ran them)
+            hint = (f"{had[:8]} matched (points that earlier calls ran), but no call in this "
+                    f"scope ran them{_SKIPPED}")
+            near = had[:8]
         else:
             hint = f"no point matched {list(wanted)}"
             unreached = [w for w in wanted if w in points and w not in self.model._cs.seen]
@@ -610,6 +620,7 @@ def load_capture(path: str | os.PathLike) -> Capture:
         call = _sinks.Call(spec, item["method"], item["nested"],
                            os.path.join(path, item["dir"]), index.get("owner"))
         call._files, call.failed = item["files"], item.get("failed", False)
+        call._ended_steps = item.get("steps", 0)  # (an older index: unknown, 0)
         capture.calls.append(call)
     if running := [i for i, item in enumerate(index["calls"]) if item.get("running")]:
         warnings.warn(

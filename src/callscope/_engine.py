@@ -205,7 +205,7 @@ class Engine(CaptureMixin):
                        inputs: dict) -> dict:
         specs, patches = marked(key, CAPTURE), marked(key, PATCH)
         return {kind: step_closure(self, kind, dict(values), specs, patches, reads,
-                                   hits.setdefault(kind, set()),
+                                   hits.setdefault(kind, {}),
                                    inputs.setdefault(kind, set()))
                 for kind in _KINDS}
 
@@ -403,9 +403,10 @@ class Engine(CaptureMixin):
                     landing.end(error)
                 raise
             run.end()
-            reached = run.eager_hits.get(CALL_KINDS[method])
-            self._cs_check_reached(run.patches, run.method, reached if reached is not None
-                                   else entry.hits.get(CALL_KINDS[method], set()))
+            if run.patches:
+                kind = CALL_KINDS[method]
+                self._cs_check_reached(run.patches, run.method,
+                                       run.reached(kind, entry.hits.get(kind, {})))
             if run.offset is not None:
                 run.offset.check_end()
             return result

@@ -13,12 +13,13 @@
 from __future__ import annotations
 
 import contextlib
+import re
 from types import MappingProxyType
 
 import keras
 import numpy as np
 
-from callscope import _backend, _inputs, _keras_compat, _record, _scope, _steps
+from callscope import _backend, _inputs, _keras_compat, _keys, _record, _scope, _steps
 
 _JAX = keras.backend.backend() == "jax"
 _TF = keras.backend.backend() == "tensorflow"
@@ -74,13 +75,19 @@ def step_closure(model, kind, values, specs, patches, reads, hits, used):
     the key that the trace looks up is kept in `reads` (checked at every call). With
     capture specs or patches, it names points inside the step (`_record.Collector`),
     returns the records as extra outputs, and notes the patched points it reached
-    in `hits` (checked when each run ends). Patch values and found histogram
-    ranges are inputs of the step (`_inputs.py`); the names it reads go in `used`.
+    (checked when each run ends): by trace in `hits` (trace number -> points), the
+    number returned beside the records, so that a run checks the traces its own
+    steps ran, not a trace of an earlier run (a batch of another shape that took
+    another branch); an eager step's in its run (`Run.eager_hits`). Patch values
+    and found histogram ranges are inputs of the step (`_inputs.py`); the names it
+    reads go in `used`.
     """
     step = getattr(type(model), f"{kind}_step")
     resolved = _record.Resolved()  # selections, once per key (torch: not per step)
     values = MappingProxyType(dict(values))
-    reads, hits, used = _scope.Later(reads), _scope.Later(hits), _scope.Later(used)
+    # eager steps outside a run (tf.distribute's replica threads): the key's
+    untracked = _scope.Later(hits.setdefault(_keys.UNTRACKED, set()))
+    reads, hits, used = _scope.Later(reads), _scope.LaterByTrace(hits), _scope.Later(used)
 
     def scoped_step(*args, **kwargs):
         # `try`/`finally`, not `with`: see `_scope.push`.
@@ -102,7 +109,8 @@ def step_closure(model, kind, values, specs, patches, reads, hits, used):
     def _recording_step(*args, **kwargs):
         offset = model._cs.rows_offset if patches else None
         args, inputs = _inputs.unwrap(model, args)
-        if not _backend.is_tracing_now():  # (torch.compile would guard on the run)
+        tracing = _backend.is_tracing_now()
+        if not tracing:  # (torch.compile would guard on the run)
             resolved.begin(_scope.run_of(model))
         collector = _record.Collector(specs, kind, resolved)
         active = _record.Patches(patches, offset, inputs) if patches else None
@@ -114,14 +122,21 @@ def step_closure(model, kind, values, specs, patches, reads, hits, used):
             else:
                 result = step(model, *args, **kwargs)
             result = _steps.unsmuggle(result, collector)
-            model._cs_note_points(collector, active, hits, resolved)
-            if active is not None and not _backend.is_tracing_now():
+            run = None if tracing else _scope.run_of(model)
+            trace = _backend.new_trace() if active is not None and tracing else None
+            if trace is not None:
+                model._cs_note_points(collector, active, _scope.Later(set()), resolved)
+                _scope.join_after(hits, {trace.number: frozenset(active.hits)})
+            elif run is not None:
                 # An eager step: its run checks what its own steps reached, not
                 # what the key's steps reached in earlier runs (a branch taken then).
-                run = _scope.run_of(model)
-                if run is not None:
-                    run.eager_hits.setdefault(kind, set()).update(active.hits)
+                model._cs_note_points(collector, active, _scope.Later(
+                    run.eager_hits.setdefault(kind, set())), resolved)
+            else:
+                model._cs_note_points(collector, active, untracked, resolved)
             sown = _steps.finalize(collector, kind, args, kwargs)
+            if trace is not None:
+                sown[_record.TRACE] = trace.tensor
             return _steps.attach(kind, result, sown) if sown else result
         finally:
             _record.activate(*outer)
@@ -144,15 +159,30 @@ ESCAPED_TRACER = (
     "gradient (README: \"Your own stateless JAX `train_step`\").")
 
 
+STEPS_DIFFER = (
+    "callscope: a capture is open, and the model runs several steps per execution "
+    "(steps_per_execution={spe}). If this error is Keras joining the outputs of "
+    "those steps (a mismatch of keys or structure), they recorded different points "
+    "(a branch that one batch took, such as the uneven last batch's, traced with its "
+    "shape): compile with steps_per_execution=1, or capture points that every step "
+    "reaches.")
+
+
 @contextlib.contextmanager
 def _noting_escaped_tracers(run):
     """JAX's error for a value that left its transformation, with what to do where a
-    capture recorded it (it names no point, and never callscope)."""
+    capture recorded it (it names no point, and never callscope); and Keras's, for
+    the steps of one execution whose captured values differ."""
     try:
         yield
     except Exception as error:
         if _JAX and run is not None and run.calls and _keras_compat.is_escaped_tracer(error):
             error.add_note(ESCAPED_TRACER)
+        spe = getattr(run.model, "steps_per_execution", 1) if run is not None else 1
+        if run is not None and run.calls and spe > 1 and isinstance(error, (
+                ValueError, TypeError)) and re.search(r"mismatch|structure|instance of dict",
+                                                      str(error)):
+            error.add_note(STEPS_DIFFER.format(spe=spe))
         raise
 
 

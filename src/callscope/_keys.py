@@ -245,6 +245,9 @@ def _said(frozen: tuple) -> str:
     return repr(value)
 
 
+UNTRACKED = 0  # `Entry.hits`' trace number for the traces and steps that return none
+
+
 class Entry:
     """The compiled functions and step closures of one key."""
 
@@ -252,7 +255,8 @@ class Entry:
         self.key = key
         self.functions: dict[str, Any] = dict.fromkeys(KINDS)
         self.reads: set[str] = set()  # names outside the key its traces looked up
-        self.hits: dict[str, set] = {}  # kind of step -> patched points its traces reached
+        # kind of step -> {trace number: the patched points that trace reached}
+        self.hits: dict[str, dict[int, set]] = {}
         self.inputs: dict[str, set] = {}  # kind of step -> dynamic inputs its traces read
         self.steps = (make_steps(key, values or {}, self.reads, self.hits, self.inputs)
                       if make_steps else {})

@@ -46,6 +46,7 @@ from callscope._points import (CALL_KINDS, RESERVED, Spec, escaped, found_key, k
 SOWN = "__callscope_sown__"
 OUTPUTS = "__callscope_outputs__"
 ROWS = "__callscope_rows__"  # a step's batch size, for patches that take the batch
+TRACE = "__callscope_trace__"  # the number of the trace a patched step ran
 LOOP = object()  # the tree's value for a point inside a loop
 _TORCH = keras.backend.backend() == "torch"
 _TF = keras.backend.backend() == "tensorflow"

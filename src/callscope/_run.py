@@ -56,6 +56,9 @@ class Run:
     # `run_eagerly`: their Python runs every step, so this run's own reach is
     # known; a compiled step's is its trace's, kept by the key)
     eager_hits: dict = field(default_factory=dict)
+    # kind of step -> the numbers of the traces its patched compiled steps ran, as
+    # the steps returned them (read at the end: reading one waits for its step)
+    traces: dict = field(default_factory=dict)
 
     @property
     def has_inputs(self) -> bool:
@@ -72,6 +75,22 @@ class Run:
                 values = _inputs.placed(values)
             self.inputs[kind] = values
         return values
+
+    def ran_trace(self, kind: str, number) -> None:
+        """A patched compiled step of `kind` ran the trace `number` (an array)."""
+        numbers = self.traces.setdefault(kind, [])
+        numbers.append(number)
+        if len(numbers) > 256:  # bounded: the earlier steps are done by now
+            self.traces[kind] = [_trace_numbers(numbers)]
+
+    def reached(self, kind: str, traced: dict) -> set:
+        """The patched points that this run's steps of `kind` reached: its eager
+        steps', and those of the traces its compiled steps ran (`traced`: the
+        key's, by trace number; `_keys.UNTRACKED` counts for every run)."""
+        found = set(self.eager_hits.get(kind, ())) | traced.get(_keys.UNTRACKED, set())
+        for number in _trace_numbers(self.traces.get(kind, ())):
+            found |= traced.get(number, set())
+        return found
 
     def sink(self, kind: str, sown) -> None:
         """A step's captured values (`"index|key"` names) to the calls' sinks. A
@@ -139,6 +158,20 @@ class Run:
         """The run ended (or raised `error`): the last values land, files close."""
         if self.host is not None:
             self.host.end(error)
+
+
+def _trace_numbers(arrays) -> set[int]:
+    """The trace numbers that steps returned (each element of each array is one;
+    an array that spans JAX processes is read from a shard of this one's)."""
+    numbers = set()
+    for array in arrays:
+        if isinstance(array, set):
+            numbers |= array
+            continue
+        if _backend.spans_processes(array):
+            array = array.addressable_shards[0].data
+        numbers.update(int(n) for n in np.ravel(keras.ops.convert_to_numpy(array)))
+    return numbers
 
 
 def _opened(what: str, method: str, effect: str, fix: str, received: str) -> str:

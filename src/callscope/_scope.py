@@ -830,7 +830,7 @@ class steps_of:
     def __exit__(self, *exc) -> None:
         vars(_PINNED).update(self._outer)
         for later, items in self._joins:  # also after a raise: what a trace learned
-            later.target.update(items)
+            later.join(items)
 
 
 class Later:
@@ -843,6 +843,20 @@ class Later:
     def __init__(self, target):
         self.target = target
 
+    def join(self, items) -> None:
+        self.target.update(items)
+
+
+class LaterByTrace(Later):
+    """A dict of sets by trace number, joined set by set: the steps of one trace
+    (TF's `steps_per_execution`, each replica of tf.distribute) add theirs."""
+
+    __slots__ = ()
+
+    def join(self, items) -> None:
+        for number, points in items.items():
+            self.target.setdefault(number, set()).update(points)
+
 
 def join_after(later: Later, items) -> None:
     """`later.target.update(items)`, or, in a made function's call, when it
@@ -851,7 +865,7 @@ def join_after(later: Later, items) -> None:
     if _PINNED.on:
         _PINNED.joins.append((later, items))
     else:
-        later.target.update(items)
+        later.join(items)
 
 
 def stepping(model) -> bool:

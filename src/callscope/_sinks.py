@@ -19,7 +19,10 @@ tell), with at most `STATS_AHEAD` rows waiting. They land in a
 - or files, appended by the run's background `Writer` and read back memory-mapped.
 
 Several calls of one method read back as one array (`read`); calls of different
-methods never merge.
+methods never merge. A call counts its run's steps (`Landing.put` takes every
+step, one that recorded nothing too) and notes which recorded each key: full rows
+of a key that some steps skipped (a branch not taken) read as an error, since
+they would not line up with the data's rows (`unaligned`).
 """
 
 from __future__ import annotations
@@ -306,20 +309,24 @@ class Landing:
         self._lock = threading.RLock()  # a capture may be read from another thread
         self._writer: Writer | None = None
         self.failure: Exception | None = None
+        self.steps = 0  # the run's steps so far, each put, whether it recorded or not
         self._step_rows = StepRows(calls)
         for call in calls:
             call._landing = self
 
     def put(self, kind: str, sown: Mapping) -> None:
+        """One step's values (none, for a step that reached no point selected)."""
         values = {name: value for name, value in sown.items() if "|" in name}
-        if self.failure is not None or not values:
-            return
         with self._lock:
+            step, self.steps = self.steps, self.steps + 1
+            if self.failure is not None or not values:
+                return
             try:
                 leaves = keras.tree.flatten(values)
                 stats_only = all(name.startswith(_reduce.PACKED) for name in values)
                 pending = self._pending
-                pending.append((kind, values, _backend.start_host_copy(leaves), stats_only))
+                pending.append((kind, values, _backend.start_host_copy(leaves), stats_only,
+                                step))
                 if not _backend.copy_lags(leaves):
                     # At once: several JAX processes must land every step in
                     # step with each other (gathering is a collective), which
@@ -352,7 +359,7 @@ class Landing:
         its copy is read (an interrupt while waiting keeps it, so no step after
         it lands before it). After a failure nothing more lands: the run raises,
         and a capture with a step missing in the middle would read as whole."""
-        kind, structure, handles, _ = self._pending[0]
+        kind, structure, handles, _, step = self._pending[0]
         try:
             values = keras.tree.pack_sequence_as(structure, _backend.to_host(handles))
             self._pending.popleft()
@@ -363,7 +370,7 @@ class Landing:
                                   and rows.add(kind, name, value))}
             for name, value in _reduce.unpack(values, _backend.gathered).items():
                 index, key = name.split("|", 1)
-                self.calls[int(index)].add(kind, key, value)
+                self.calls[int(index)].add(kind, key, value, step)
         except Exception:
             self._pending.clear()
             raise
@@ -469,9 +476,16 @@ class Call(Mapping):
         self._queued: dict[str, int] = {}  # rows handed to the writer, per key
         self._offsets: dict[str, int] = {}  # bytes handed to the writer, per file
         self._landing: Landing | None = None  # the run's, while it runs
+        self._ended_steps = 0  # the run's steps, once it ended (while it runs: its landing's)
+        # key -> [the last step that recorded it, the steps before that did not]
+        self._reach: dict[str, list] = {}
 
     # -- filling (on the host, by the run's landing) -------------------------
-    def add(self, kind: str, key: str, value: Any) -> None:
+    def add(self, kind: str, key: str, value: Any, step: int = 0) -> None:
+        reach = self._reach.get(key) or self._reach.setdefault(key, [-1, []])
+        if step > reach[0] + 1:  # the steps since the last that recorded it did not
+            reach[1].extend(range(reach[0] + 1, step))
+        reach[0] = step
         if self._dir is not None and _backend.spans_processes(value):
             self._stream_blocks(key, value)  # each process writes the shards it holds
             return
@@ -564,6 +578,11 @@ class Call(Mapping):
         """The call ended (or `failed`, maybe before its run began): its capture
         may close."""
         self.failed = failed
+        if self._landing is not None:
+            self._ended_steps = self._landing.steps
+            for key, entry in self._files.items():  # kept in the index (`load_capture`)
+                if skipped := self._skipped(key):
+                    entry["skipped"] = skipped
         self._landing = None
         if self._ended is None:
             return
@@ -586,6 +605,24 @@ class Call(Mapping):
         adding this call's values: a half-added step must never be read)."""
         landing = self._landing
         return landing._lock if landing is not None else contextlib.nullcontext()
+
+    def _skipped(self, key: str) -> list[int]:
+        """The steps of this call (numbered from 0) that ran without recording
+        `key`, which it recorded in others: a branch not taken for that batch.
+        Not the steps after the last that landed, in a call that stopped short (it
+        raised, or a sink failed): its rows stop early (`failed`)."""
+        if key not in self._reach:
+            return list(self._files.get(key, {}).get("skipped", ()))  # a loaded call
+        last, before = self._reach[key]
+        landing = self._landing
+        if self.failed or (landing is not None and landing.failure is not None):
+            return list(before)
+        return [*before, *range(last + 1, self._run_steps())]
+
+    def _run_steps(self) -> int:
+        """How many steps this call's run ran (so far, while it runs)."""
+        landing = self._landing
+        return landing.steps if landing is not None else self._ended_steps
 
     def steps(self, key: str) -> int:
         """fit's statistics: how many steps `key` has rows for."""
@@ -614,6 +651,11 @@ class Call(Mapping):
 
     def __getitem__(self, key: str) -> np.ndarray:
         return read([self], key)
+
+    def __contains__(self, key) -> bool:
+        # (Mapping's reads the key, which raises for rows some steps skipped)
+        self.flush()
+        return key in self._names()
 
     def hist_edges(self, key: str) -> np.ndarray:
         """The bin edges of a `.../hist` key."""
@@ -665,15 +707,37 @@ def _count_rows(entry: dict, rows: int) -> None:
     entry["rows"] += rows  # on the writer's thread, once the rows are on disk
 
 
-def read(calls: list[Call], key: str) -> np.ndarray:
+def read(calls: list[Call], key: str, joined=()) -> np.ndarray:
     """One key over several calls of one method: batches concatenated, or one
     exact aggregate (predict, evaluate), or one row per step (fit). One call's
-    batches read as a view, without a copy."""
+    batches read as a view, without a copy. `joined`: `(number, call)` for every
+    call of that method (those that recorded nothing too), whose full rows must
+    each hold the key, checked with every call held (a running call counts a
+    step before its values land)."""
     with contextlib.ExitStack() as stack:
-        for call in calls:
+        for call in {id(c): c for c in [*calls, *(c for _, c in joined)]}.values():
             stack.enter_context(call.held())
             call.flush()
+        if joined:
+            _check_every_call_recorded(key, joined)
         return _read(calls, key)
+
+
+def _check_every_call_recorded(key: str, joined: list) -> None:
+    """Raises where some of the calls whose rows `cap[key]` joins ran steps
+    without recording `key` (a branch not taken), which others recorded: the
+    joined rows would not line up with the calls' data."""
+    names = {id(call): call._names() for _, call in joined}
+    without = [i for i, call in joined if call._run_steps() and not call.failed
+               and key not in names[id(call)]]
+    if without and any(key in n for n in names.values()):
+        raise ValueError(
+            f"`{key}` was recorded by some of the calls whose rows `cap[{key!r}]` "
+            f"joins, not by cap.calls{without} (their steps ran without reaching it: a "
+            "branch not taken), so the joined rows would not line up with the calls' "
+            "data. Read each call that recorded it from `cap.calls[i][key]`, or "
+            f"capture a point that every call reaches. Received: {len(joined)} calls, "
+            f"{len(without)} without `{key}`")
 
 
 def _read(calls: list[Call], key: str) -> np.ndarray:
@@ -693,6 +757,9 @@ def _read(calls: list[Call], key: str) -> np.ndarray:
             raise KeyError(missing(key, calls))
         stacked = {k: np.stack([m[k] for m in merged]) for k in merged[0]}
         return _reduce.finalize(_reduce.merge(stacked), stat)
+    for call in calls:
+        if skipped := (key in call._full or key in call._files) and call._skipped(key):
+            raise ValueError(unaligned(key, call.method, skipped, call._run_steps()))
     parts = []
     for directory, owner in {(os.path.dirname(c._dir), c._owner) for c in calls
                              if c._dir is not None and key in c._files}:
@@ -799,8 +866,31 @@ def check_owner(directory: str, owner: str | None, key: str) -> None:
 
 def missing(key: str, calls) -> str:
     names = list(dict.fromkeys(n for c in calls for n in c._names()))
+    if not names:
+        which = "this call" if len(calls) == 1 else "these calls"
+        if not any(c._run_steps() for c in calls):
+            if any(c._landing is not None for c in calls):
+                return f"{key!r} was not captured: no step of {which} has ended yet"
+            return f"{key!r} was not captured: {which} ran no step (it raised first)"
+        return (f"{key!r} was not captured: {which} recorded nothing (no step reached "
+                "a point that the capture selects)")
     close = difflib.get_close_matches(key, names, n=3, cutoff=0.3)
     return f"{key!r} was not captured. Nearest keys: {close or names[:5]}"
+
+
+def unaligned(key: str, method: str, skipped: list[int], steps: int) -> str:
+    """The error for a full capture whose key some steps of a call did not record:
+    its rows would not line up with the data's."""
+    shown = skipped if len(skipped) <= 8 else [*skipped[:8], "..."]
+    return (
+        f"`{key}` was recorded by {steps - len(skipped)} of the {steps} steps of this "
+        f"`{method}`: steps {shown} (numbered from 0) ran without reaching it (a branch "
+        "that a batch's shape or values took, in a step traced for that shape or run "
+        "eagerly), so its rows would not line up with the data's rows. Capture a "
+        "point that every step reaches, or `cs.sow` the value in every branch (a "
+        "filler, such as NaN, where the point does not run); statistics "
+        "(`reduce=`) aggregate the rows that reached it. Received: "
+        f"key={key!r}, steps without it={shown}")
 
 
 MIXED_CALLS = (

@@ -77,9 +77,14 @@ def pop_sown(kind, result, run):
     """
     main, rest = (result[0], result[1:]) if _JAX else (result, ())
     if not isinstance(main, dict) or SOWN not in main:
+        if run is not None:  # a step that recorded nothing: counted (`Call.skipped`)
+            run.sink(kind, {})
         return result
     sown = main[SOWN]
     rows = sown.pop(_record.ROWS, None) if isinstance(sown, dict) else None
+    trace = sown.pop(_record.TRACE, None) if isinstance(sown, dict) else None
+    if trace is not None and run is not None:
+        run.ran_trace(kind, trace)
     if _backend.BACKEND == "tensorflow" and isinstance(sown, dict):
         _check_agreed(sown)
     if rows is not None and run is not None and run.offset is not None:
