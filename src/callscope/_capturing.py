@@ -198,6 +198,10 @@ def check_reached(patches, method: str, hits: set, known=list, loops=None) -> No
     # `cs.points` lists each call of a shared layer as `point@i`, as captures
     # key it; a patch names the point, and applies to every call of it.
     hint = single_calls_hint(points, known, patching=True)
+    if named := [p for p in points if p in known]:  # points the model has: skipped
+        hint += (f" {named} {'is a point' if len(named) == 1 else 'are points'} of the "
+                 "model that no step of this call ran (a branch not taken, for these "
+                 "batches' shapes or values).")
     near = f" Nearest points: {nearest(points, known)}." if known else ""
     raise ValueError(
         f"cs.patch never reached {points} in this `{method}`: no layer or sown "
