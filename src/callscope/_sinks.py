@@ -482,10 +482,11 @@ class Call(Mapping):
 
     # -- filling (on the host, by the run's landing) -------------------------
     def add(self, kind: str, key: str, value: Any, step: int = 0) -> None:
-        reach = self._reach.get(key) or self._reach.setdefault(key, [-1, []])
-        if step > reach[0] + 1:  # the steps since the last that recorded it did not
-            reach[1].extend(range(reach[0] + 1, step))
-        reach[0] = step
+        if not self.spec.stats:  # (full rows alone must line up: `_skipped`)
+            reach = self._reach.get(key) or self._reach.setdefault(key, [-1, []])
+            if step > reach[0] + 1:  # the steps since the last that recorded it did not
+                reach[1].extend(range(reach[0] + 1, step))
+            reach[0] = step
         if self._dir is not None and _backend.spans_processes(value):
             self._stream_blocks(key, value)  # each process writes the shards it holds
             return

@@ -77,7 +77,7 @@ def pop_sown(kind, result, run):
     """
     main, rest = (result[0], result[1:]) if _JAX else (result, ())
     if not isinstance(main, dict) or SOWN not in main:
-        if run is not None:  # a step that recorded nothing: counted (`Call.skipped`)
+        if run is not None:  # a step that recorded nothing: counted (`Call._skipped`)
             run.sink(kind, {})
         return result
     sown = main[SOWN]
