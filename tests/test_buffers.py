@@ -576,6 +576,26 @@ def test_fit_and_its_validation_failing_alike_raise_one_message(tmp_path):
     assert not getattr(raised.value, "__notes__", None)
 
 
+def test_a_call_whose_last_step_fails_to_stream_is_a_failed_call(tmp_path):
+    # The last step lands when the run ends, after Keras's loop: its failure is
+    # raised there, and the call that raised it is failed like any other (it was
+    # not: its rows stopped a step short, read alone and joined, with no word).
+    model = cs.Sequential([keras.Input((None, 4)), keras.layers.Dense(3, name="d"),
+                           keras.layers.GlobalAveragePooling1D(name="pool")], name="s")
+    with pytest.raises(ValueError, match=r"changed shape from \(N, \[3, 3\]\) to \(2, 4, 3\)"):
+        with cs.capture(model, "s/d", to=tmp_path / "caps") as cap:
+            model.predict(np.ones((2, 3, 4), "float32"), verbose=0)
+            model.predict(_GrowingPairs(), verbose=0)
+    assert [call.failed for call in cap.calls] == [False, True]
+    assert cap.calls[1]["s/d:output"].shape == (2, 3, 3)  # its first step's rows
+    with pytest.warns(UserWarning, match=r"2 calls, of which cap.calls\[1\] raised"):
+        assert cap["s/d:output"].shape == (4, 3, 3)
+    loaded = cs.load_capture(tmp_path / "caps")
+    assert [call.failed for call in loaded.calls] == [False, True]
+    with pytest.warns(UserWarning, match=r"cap.calls\[1\] raised"):
+        assert loaded["s/d:output"].shape == (4, 3, 3)
+
+
 # --------------------------------------------------------------------------
 # fit's statistics: one packed row per step, each partial a view of it
 # --------------------------------------------------------------------------

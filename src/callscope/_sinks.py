@@ -400,6 +400,7 @@ class Landing:
     def end(self, error: BaseException | None = None) -> None:
         """Lands the last step, flushes and closes the files, and raises what
         failed. After a failure of the run (`error`), adds it to that as a note."""
+        problems, ended = [], False
         try:
             with self._lock:
                 problems = [self.failure] if self.failure is not None else []
@@ -408,12 +409,15 @@ class Landing:
                         finish()
                     except Exception as problem:
                         problems.append(problem)
+            ended = True
         finally:
             # Released last, whatever happened (an interrupt too): a capture's exit
             # waits for its calls run in other threads, then writes an index of
             # what is on disk. Outside the lock: that exit holds its capture's lock
-            # while it reads this landing's calls.
-            self._release(failed=error is not None)
+            # while it reads this landing's calls. A call whose last step failed
+            # to land or write raises here, after its run: it failed too (its rows
+            # stop at the step before).
+            self._release(failed=error is not None or bool(problems) or not ended)
         if not problems:
             return
         if error is None:
