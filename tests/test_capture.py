@@ -74,6 +74,43 @@ def test_sown_values_from_predict_match_the_eager_reference(jit_compile):
         np.testing.assert_allclose(cap[key], ref[key], rtol=1e-5, atol=1e-6)
 
 
+class _Batches(keras.utils.PyDataset):
+    """X and Y in batches of 4 (the last one 2): data of no known shape ahead."""
+
+    def __len__(self):
+        return 3
+
+    def __getitem__(self, index):
+        return X[index * 4:index * 4 + 4], Y[index * 4:index * 4 + 4]
+
+
+@pytest.mark.parametrize("method", ["predict", "evaluate", "fit"])
+def test_an_unbuilt_model_built_by_its_first_step_is_captured_and_patched(method):
+    # Data of no known shape: Keras builds the subclassed model inside its first
+    # step, in a shape-only call of it (`compute_output_spec`) on the step's own
+    # tensors. What that call recorded went into the step (TF: tensors of its
+    # scratch graph, InaccessibleTensorError; torch: meta tensors, "Cannot copy
+    # out of meta tensor").
+    keras.utils.set_random_seed(0)
+    net = Net()
+    net.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")  # (fit keeps the weights)
+    run = getattr(net, method)
+    kwargs = {"shuffle": False} if method == "fit" else {}
+    with cs.capture(net, ["net/*/pre_act", "net/block_0/dense"]) as cap:
+        run(_Batches(), verbose=0, **kwargs)
+    ref = _reference(net, X)
+    assert sorted(cap) == ["net/block_0/dense:output", "net/block_0/pre_act:output",
+                           "net/block_1/pre_act:output"]
+    for key in cap:
+        np.testing.assert_allclose(cap[key], ref[key], rtol=1e-5, atol=1e-6)
+    keras.utils.set_random_seed(0)
+    net = Net()
+    with cs.patch(net, {"net/block_0/pre_act": lambda h: h * 0.0}):
+        out = net.predict(_Batches(), verbose=0)
+    bias = numpy(net.block_1.dense.weights[1])
+    np.testing.assert_allclose(out, np.broadcast_to(np.maximum(bias, 0), (10, 2)), rtol=1e-6)
+
+
 @pytest.mark.parametrize("jit_compile", JIT)
 @pytest.mark.parametrize("method", ["evaluate", "predict_on_batch", "test_on_batch", "__call__"])
 def test_every_inference_entry_point_captures(method, jit_compile):

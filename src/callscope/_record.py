@@ -823,7 +823,7 @@ def sow(layer: keras.layers.Layer, name: str, value: Any, *,
                 return value
             return _masked_like(noted[0].run(noted[1], _one_tensor(noted[1][1], value)), value,
                                 fresh=False)
-    if collector is None:
+    if collector is None or _keras_compat.in_symbolic_scope():  # (see `_symbolic`)
         return value
     point = collector.sown_point(layer, name)
     depth = len(collector.stack)
@@ -1350,6 +1350,13 @@ def _is_method_of(owner, code) -> bool:
 
 
 def _symbolic(args, kwargs) -> bool:
+    """A shape-only call: on KerasTensors (torch: meta tensors), or any call inside
+    Keras's `compute_output_spec`. That one may run on a step's own tensors: the
+    first step of an unbuilt subclassed model builds it there (`_maybe_build`),
+    and what it records belongs to no step (TF: tensors of a scratch graph; torch:
+    meta tensors, from weights it makes there)."""
+    if _keras_compat.in_symbolic_scope():
+        return True
     # The common call, one tensor and flags: no tree walk (torch runs this every step).
     if len(args) == 1 and _is_tensor(args[0]) and not any(
             isinstance(v, list | tuple | dict) or _is_tensor(v) for v in kwargs.values()):
