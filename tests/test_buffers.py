@@ -7,6 +7,7 @@ against a stock Keras model.
 """
 
 import os
+import shutil
 import threading
 import time
 
@@ -594,6 +595,121 @@ def test_a_call_whose_last_step_fails_to_stream_is_a_failed_call(tmp_path):
     assert [call.failed for call in loaded.calls] == [False, True]
     with pytest.warns(UserWarning, match=r"cap.calls\[1\] raised"):
         assert loaded["s/d:output"].shape == (4, 3, 3)
+
+
+@pytest.mark.parametrize("to", [True, False])
+def test_an_interrupt_while_a_step_lands_leaves_rows_that_line_up(to, tmp_path, monkeypatch):
+    # Ctrl-C while the caller waits for room in the writer's queue (a slow disk),
+    # or adds a step in memory: that step is half added. Where full tensors land a
+    # step late (JAX), the step behind it landed at the run's end in its place.
+    model, batch = _model(), 4
+    x = rng.normal(size=(8 * batch, 8)).astype("float32")
+    calls = []
+    if to:
+        write = _writer.Writer.write
+
+        def interrupted(self, *args):
+            calls.append(1)
+            if len(calls) == 3:
+                raise KeyboardInterrupt
+            return write(self, *args)
+
+        monkeypatch.setattr(_writer.Writer, "write", interrupted)
+    else:
+        append = _sinks.HostBuffer.append
+
+        def interrupted(self, array):
+            calls.append(1)
+            if len(calls) == 3:
+                raise KeyboardInterrupt
+            return append(self, array)
+
+        monkeypatch.setattr(_sinks.HostBuffer, "append", interrupted)
+    plain = model.predict(x, verbose=0)
+    with pytest.raises(KeyboardInterrupt):
+        with cs.capture(model, "m/wide", to=tmp_path / "caps" if to else None) as cap:
+            model.predict(x, batch_size=batch, verbose=0)
+    monkeypatch.undo()
+    assert cap.calls[0].failed
+    # Raised before the next step, not inside the step's end: JAX keeps the state
+    # that step returned (its input was donated), so the weights are there.
+    np.testing.assert_allclose(model.predict(x, verbose=0), plain, rtol=1e-6)
+    expected = _wide(model, x)
+    captured = [cap.calls[0]["m/wide:output"]]
+    if to:
+        captured.append(cs.load_capture(tmp_path / "caps").calls[0]["m/wide:output"])
+    for rows in captured:
+        assert len(rows) == 2 * batch  # the steps before the interrupted one
+        np.testing.assert_allclose(rows, expected[:len(rows)], rtol=1e-5, atol=1e-6)
+
+
+def test_an_interrupt_while_the_writer_catches_up_closes_its_files_first(tmp_path, monkeypatch):
+    # Ctrl-C while the run's end waits for a slow disk: the writer wrote on after
+    # the scope exited, under an index that counted none of it, and the capture
+    # read more rows later than at once.
+    model, batch = _model(), 4
+    x = rng.normal(size=(16 * batch, 8)).astype("float32")
+
+    class Slow:
+        def __init__(self, file):
+            self.file = file
+
+        def write(self, data):
+            time.sleep(0.05)
+            return self.file.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self.file, name)
+
+    class Interrupted:
+        def __init__(self, thread):
+            self.thread, self.joins = thread, 0
+
+        def join(self):
+            self.joins += 1
+            if self.joins == 1:
+                raise KeyboardInterrupt
+            self.thread.join()
+
+    monkeypatch.setattr(_writer, "open", lambda path, mode: Slow(open(path, mode)), raising=False)
+    init = _writer.Writer.__init__
+
+    def interrupted_at_close(self, *args):
+        init(self, *args)
+        self._thread = Interrupted(self._thread)
+
+    monkeypatch.setattr(_writer.Writer, "__init__", interrupted_at_close)
+    with pytest.raises(KeyboardInterrupt):
+        with cs.capture(model, "m/wide", to=tmp_path / "caps") as cap:
+            model.predict(x, batch_size=batch, verbose=0)
+    monkeypatch.undo()
+    assert not [t for t in threading.enumerate() if t.name == "callscope-writer"]
+    assert cap.calls[0].failed
+    rows = cap.calls[0]["m/wide:output"]
+    time.sleep(0.2)
+    loaded = cs.load_capture(tmp_path / "caps").calls[0]["m/wide:output"]
+    assert len(rows) % batch == 0  # (whole steps: most of them still queued, dropped)
+    assert len(cap.calls[0]["m/wide:output"]) == len(loaded) == len(rows)
+    np.testing.assert_allclose(rows, _wide(model, x)[:len(rows)], rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(loaded, rows)
+
+
+def test_a_capture_directory_removed_while_the_run_streams_stays_removed(tmp_path):
+    # The writer made the directories its file needed: it made the capture's
+    # again, with no owner, and the scope exited as if all went well.
+    model, batch = _model(), 4
+    x = rng.normal(size=(4 * batch, 8)).astype("float32")
+    target = tmp_path / "caps"
+
+    class Removes(keras.callbacks.Callback):
+        def on_predict_batch_end(self, index, logs=None):
+            if index == 0:
+                shutil.rmtree(target)
+
+    with pytest.raises(_writer.WriteError, match=r"No such file or directory"):
+        with cs.capture(model, "m/wide", to=target):
+            model.predict(x, batch_size=batch, verbose=0, callbacks=[Removes()])
+    assert not target.exists()
 
 
 # --------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Bad input gets an error that names what was expected, what was received, and the fix."""
 
 import dataclasses
+import functools
 import re
 import typing
 
@@ -473,6 +474,47 @@ def test_a_declared_layer_that_no_model_passes_a_scope_value_raises():
         np.testing.assert_allclose(numpy(clone().get_layer("b0")(x, debugging=True)),
                                    plain * 0.5, rtol=1e-6)
     np.testing.assert_allclose(clone().predict(x, verbose=0), plain)
+
+
+@pytest.mark.parametrize("given", ["scope", "fit"])
+def test_a_stock_model_called_in_a_callback_of_a_call_given_a_value_raises(given):
+    # Between fit's steps its value is in effect, but a stock model a callback
+    # calls is not part of fit's computation. Its declared layer took the value,
+    # and its compiled `predict` (JAX, TF) kept it: a later plain predict of it,
+    # outside every scope, still halved.
+    x = np.ones((2, 4), "float32")
+    model = cs.Sequential([keras.Input((4,)), HalvesWhenDebugging(name="b0")], name="seq")
+    model.register_context_args("debugging")
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")  # (weights stay)
+    plain = model.predict(x, verbose=0)
+    copy = keras.models.clone_model(model)
+    copy.set_weights(model.get_weights())
+    seen = []
+
+    class PredictsTheCopy(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            for call in (lambda: copy.predict(x, verbose=0), lambda: copy(x)):
+                try:
+                    seen.append(numpy(call()))
+                except RuntimeError as error:
+                    seen.append(error)
+            # The callscope model itself takes the value in a callback's call.
+            seen.append(self.model.predict(x, verbose=0))
+
+    fit = functools.partial(model.fit, x, np.zeros((2, 3), "float32"), epochs=1, verbose=0,
+                            callbacks=[PredictsTheCopy()])
+    if given == "scope":
+        with cs.context(debugging=True):
+            fit()
+    else:
+        fit(debugging=True)
+    for error in seen[:2]:
+        assert isinstance(error, cs.StrayValueError), error
+        assert re.search(r"`b0` \(which declares it with `@cs.context_args`\) is called "
+                         r"without it.*called directly or in a callback.*Received: "
+                         r"debugging=True", str(error)), error
+    np.testing.assert_allclose(seen[2], plain * 0.5, rtol=1e-6)
+    np.testing.assert_allclose(copy.predict(x, verbose=0), plain, rtol=1e-6)
 
 
 class _RematWrapper(keras.layers.Layer):

@@ -326,7 +326,8 @@ NOT_PASSED = (
     "Context argument `{name}` is set in the caller's scope ({value!r}), but "
     "`{layer}` (which declares it with `@cs.context_args`) is called without it: no "
     "enclosing model passes it (a stock Keras model, such as `clone_model`'s copy "
-    "of a `cs.Sequential`; a layer called on its own; or a checkpoint, `keras.remat`, "
+    "of a `cs.Sequential`, called directly or in a callback of a call given the "
+    "value; a layer called on its own; or a checkpoint, `keras.remat`, "
     "recomputing it in a backward pass after the model's call returned; or a "
     "`cs.context` opened in an eager call, around a function traced there: your own "
     "`jax.jit`, or on JAX an RNN's or a loop's body), so it would "
@@ -362,7 +363,8 @@ def unpassed_values(layer, names) -> dict[str, Any]:
         if value is None or _keras_compat.passed_by_an_outer_layer(name):
             continue
         if current.values.get(name) is None or name not in current.keyed and not (
-                not _backend.is_tracing_now() and _set_inside_a_call(current, name)):
+                not _backend.is_tracing_now() and _set_inside_a_call(current, name)) or (
+                _between_steps()):
             raise StrayValueError(NOT_PASSED.format(name=name, value=value, layer=layer.name))
         found[name] = value
     return found
@@ -441,6 +443,15 @@ def context(**values: Any) -> Entered:
             those="that value" if len(unread) == 1 else "those values",
             shown=", ".join(f"{n}={values[n]!r}" for n in unread))) if values else None,
         names=tuple(values))
+
+
+def _between_steps() -> bool:
+    """Whether calls are running here, each between its steps (in a callback): a
+    layer called now is not part of their computation, though their values are in
+    effect (a stock model's `predict` in a callback of `fit(debugging=True)` ran
+    with the value, and its compiled function kept it for later calls)."""
+    runs = _RUNS.get()
+    return bool(runs) and not any(calling(run) for run in runs)
 
 
 def _opened_inside_a_call() -> bool:

@@ -308,7 +308,7 @@ class Landing:
         self._pending = collections.deque()
         self._lock = threading.RLock()  # a capture may be read from another thread
         self._writer: Writer | None = None
-        self.failure: Exception | None = None
+        self.failure: BaseException | None = None
         self.steps = 0  # the run's steps so far, each put, whether it recorded or not
         self._step_rows = StepRows(calls)
         for call in calls:
@@ -344,7 +344,10 @@ class Landing:
                 while len(pending) > 1 and (len(pending) > bound or not pending[0][3]
                                             or _backend.is_ready(pending[0][2])):
                     self._land_first()
-            except Exception as failure:  # nothing more lands (see `_land_first`)
+            except BaseException as failure:  # nothing more lands (see `_land_first`)
+                # An interrupt too (Ctrl-C while the writer's queue is full): raised
+                # before the next step, not here, where JAX would lose the state
+                # this step returned (its input was donated).
                 self.failure = failure
                 self._pending.clear()
 
@@ -362,7 +365,11 @@ class Landing:
         kind, structure, handles, _, step = self._pending[0]
         try:
             values = keras.tree.pack_sequence_as(structure, _backend.to_host(handles))
-            self._pending.popleft()
+        except Exception:
+            self._pending.clear()
+            raise
+        self._pending.popleft()
+        try:
             rows = self._step_rows
             if rows.on:
                 values = {name: value for name, value in values.items()
@@ -371,7 +378,10 @@ class Landing:
             for name, value in _reduce.unpack(values, _backend.gathered).items():
                 index, key = name.split("|", 1)
                 self.calls[int(index)].add(kind, key, value, step)
-        except Exception:
+        except BaseException:
+            # Half added (an interrupt too, while the writer's queue is full): the
+            # steps behind it must not land after it, in its rows' place (where
+            # full tensors land a step late, the next one landed at the run's end).
             self._pending.clear()
             raise
 
@@ -386,7 +396,7 @@ class Landing:
         with self._lock:
             try:
                 self.land()
-            except Exception as failure:  # the run stops and raises it too, at its end
+            except BaseException as failure:  # the run stops and raises it too, at its end
                 self.failure = self.failure or failure
                 raise
             if self._writer is not None:

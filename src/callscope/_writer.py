@@ -13,6 +13,7 @@ or `close`; a waiting caller is woken by it, so nothing hangs.
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import threading
 from collections.abc import Callable
@@ -51,6 +52,7 @@ class Writer:
         self._error: BaseException | None = None
         self._failed = ""  # the file it could not write
         self._closing = False
+        self._dropping = False  # close was interrupted: write nothing more
         self._files: dict = {}
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._loop, name="callscope-writer",
@@ -84,7 +86,18 @@ class Writer:
         with self._cond:
             self._closing = True
             self._cond.notify_all()
-        self._thread.join()
+        try:
+            self._thread.join()
+        except BaseException:
+            # Interrupted while the disk catches up: what still waits is dropped, so
+            # that the files are closed, and what reached them counted, before the
+            # capture writes its index (the thread wrote on after the scope exited,
+            # under an index that counted none of it).
+            with self._cond:
+                self._dropping = True
+                self._cond.notify_all()
+            self._thread.join()  # (the write in progress only)
+            raise
         with self._cond:
             self._raise_if_failed()
 
@@ -100,12 +113,17 @@ class Writer:
             while True:
                 with self._cond:
                     self._cond.wait_for(lambda: self._items or self._closing)
+                    if self._dropping:
+                        self._items.clear()
                     if not self._items:
                         return
                     path, array, done = self._items[0]
                 file = self._files.get(path)
                 if file is None:
-                    os.makedirs(os.path.dirname(path), exist_ok=True)
+                    # Its call's folder, in the capture's: not the capture's (a
+                    # directory removed while the run streams stays removed).
+                    with contextlib.suppress(FileExistsError):
+                        os.mkdir(os.path.dirname(path))
                     file = self._files[path] = open(path, "xb")  # never truncates
                 file.write(array.reshape(-1).view(np.uint8))
                 self._sizes[path] = self._sizes.get(path, 0) + array.nbytes
