@@ -328,6 +328,25 @@ def test_an_index_that_cannot_be_written_says_what_is_still_readable(tmp_path):
         cs.load_capture(target)
 
 
+@pytest.mark.parametrize("change", ["deleted", "cut short"])
+def test_a_capture_file_deleted_or_cut_short_after_the_scope_says_so(change, tmp_path):
+    # numpy's own error named neither the file's key nor what happened to it (a
+    # bare FileNotFoundError, or "mmap length is greater than file size").
+    model, target = _model(), tmp_path / "caps"
+    with cs.capture(model, "m/d1", to=target) as cap:
+        model.predict(X, batch_size=4, verbose=0)
+    path = target / "call_000" / "0000.bin"
+    if change == "deleted":
+        path.unlink()
+    else:
+        os.truncate(path, 40)
+    message = (r"The capture file `.*0000.bin` of captured `m/d1:output` is gone or shorter "
+               r"than the capture's index says.*Received: (FileNotFoundError|ValueError)")
+    for capture in (cap, cs.load_capture(target)):
+        with pytest.raises(ValueError, match=message):
+            capture["m/d1:output"]
+
+
 def test_a_call_that_waits_for_the_closing_thread_does_not_hang_its_exit(tmp_path,
                                                                         monkeypatch):
     """A worker's predict over a generator that the main thread ends after the

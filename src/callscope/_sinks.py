@@ -787,9 +787,8 @@ def _read(calls: list[Call], key: str) -> np.ndarray:
             if not entry["rows"]:  # nothing reached the disk (mmap refuses 0 bytes)
                 parts.append(np.empty((0, *entry["row"]), dtype_of(entry["dtype"])))
                 continue
-            parts.append(np.memmap(os.path.join(call._dir, entry["file"]),
-                                   dtype=dtype_of(entry["dtype"]),
-                                   mode="r", shape=(entry["rows"], *entry["row"])))
+            parts.append(_mapped(os.path.join(call._dir, entry["file"]), key,
+                                 dtype_of(entry["dtype"]), (entry["rows"], *entry["row"])))
         elif key in call._full:
             parts.append(call._full[key].view())
     if not parts:
@@ -823,12 +822,26 @@ def _joined(parts: list[np.ndarray]) -> np.ndarray:
     return joined
 
 
+def _mapped(path: str, key: str, dtype, shape) -> np.memmap:
+    """A streamed file, read in place; one that is gone, or shorter than the index
+    says, raises an error that says so (numpy's named neither)."""
+    try:
+        return np.memmap(path, dtype=dtype, mode="r", shape=shape)
+    except (FileNotFoundError, ValueError) as error:
+        what = f" of captured `{key}`" if key else ""
+        raise ValueError(
+            f"The capture file `{path}`{what} is gone or shorter than the capture's index "
+            "says: it was deleted, moved or cut short after the capture wrote it. Read a "
+            "capture's directory as its scope left it. "
+            f"Received: {type(error).__name__}: {error}") from error
+
+
 def assemble(directory: str, entry: dict) -> np.ndarray:
     """One key streamed by several processes: their blocks put back in place."""
     array = np.empty((entry["rows"], *entry["row"]), dtype_of(entry["dtype"]))
     filled = 0
     for part in entry["parts"]:
-        raw = np.memmap(os.path.join(directory, part["file"]), dtype=np.uint8, mode="r")
+        raw = _mapped(os.path.join(directory, part["file"]), "", np.uint8, None)
         for block in part["blocks"]:
             n = int(np.prod(block["shape"]))
             at = block["at"]
