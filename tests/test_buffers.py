@@ -597,11 +597,15 @@ def test_a_call_whose_last_step_fails_to_stream_is_a_failed_call(tmp_path):
         assert loaded["s/d:output"].shape == (4, 3, 3)
 
 
+@pytest.mark.parametrize("at", [3, 8])  # a middle step's values, and the last one's
 @pytest.mark.parametrize("to", [True, False])
-def test_an_interrupt_while_a_step_lands_leaves_rows_that_line_up(to, tmp_path, monkeypatch):
+def test_an_interrupt_while_a_step_lands_leaves_rows_that_line_up(to, at, tmp_path,
+                                                                  monkeypatch):
     # Ctrl-C while the caller waits for room in the writer's queue (a slow disk),
     # or adds a step in memory: that step is half added. Where full tensors land a
-    # step late (JAX), the step behind it landed at the run's end in its place.
+    # step late (JAX), the step behind it landed at the run's end in its place;
+    # and the last step lands at the run's end, where the interrupt left the
+    # writer running after the scope, under an index that counted less.
     model, batch = _model(), 4
     x = rng.normal(size=(8 * batch, 8)).astype("float32")
     calls = []
@@ -610,7 +614,7 @@ def test_an_interrupt_while_a_step_lands_leaves_rows_that_line_up(to, tmp_path, 
 
         def interrupted(self, *args):
             calls.append(1)
-            if len(calls) == 3:
+            if len(calls) == at:
                 raise KeyboardInterrupt
             return write(self, *args)
 
@@ -620,7 +624,7 @@ def test_an_interrupt_while_a_step_lands_leaves_rows_that_line_up(to, tmp_path, 
 
         def interrupted(self, array):
             calls.append(1)
-            if len(calls) == 3:
+            if len(calls) == at:
                 raise KeyboardInterrupt
             return append(self, array)
 
@@ -630,6 +634,7 @@ def test_an_interrupt_while_a_step_lands_leaves_rows_that_line_up(to, tmp_path, 
         with cs.capture(model, "m/wide", to=tmp_path / "caps" if to else None) as cap:
             model.predict(x, batch_size=batch, verbose=0)
     monkeypatch.undo()
+    assert not [t for t in threading.enumerate() if t.name == "callscope-writer"]
     assert cap.calls[0].failed
     # Raised before the next step, not inside the step's end: JAX keeps the state
     # that step returned (its input was donated), so the weights are there.
@@ -639,8 +644,39 @@ def test_an_interrupt_while_a_step_lands_leaves_rows_that_line_up(to, tmp_path, 
     if to:
         captured.append(cs.load_capture(tmp_path / "caps").calls[0]["m/wide:output"])
     for rows in captured:
-        assert len(rows) == 2 * batch  # the steps before the interrupted one
+        assert len(rows) == (at - 1) * batch  # the steps before the interrupted one
         np.testing.assert_allclose(rows, expected[:len(rows)], rtol=1e-5, atol=1e-6)
+
+
+def test_an_interrupt_in_fits_last_step_is_raised_before_its_validation(monkeypatch):
+    # Kept for the next step of the same call, it waited through the whole of
+    # fit's validation (a call of its own) before it was raised.
+    model, batch = _model(), 4
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    x = rng.normal(size=(4 * batch, 8)).astype("float32")
+    y = rng.normal(size=(4 * batch, 1)).astype("float32")
+    copies, validated = [], []
+    start = _backend.start_host_copy
+
+    def interrupted(leaves):
+        copies.append(1)
+        if len(copies) == 4:  # the last training step's
+            raise KeyboardInterrupt
+        return start(leaves)
+
+    class Counts(keras.callbacks.Callback):
+        def on_test_batch_end(self, index, logs=None):
+            validated.append(index)
+
+    monkeypatch.setattr(_backend, "start_host_copy", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        with cs.capture(model, "m/wide") as cap:
+            model.fit(x, y, batch_size=batch, validation_data=(x, y), verbose=0,
+                      callbacks=[Counts()])
+    monkeypatch.undo()
+    assert validated == []
+    assert [call.failed for call in cap.calls] == [True, True]  # fit, and its validation
+    assert np.isfinite(model.predict(x, verbose=0)).all()  # (JAX: the weights are back)
 
 
 def test_an_interrupt_while_the_writer_catches_up_closes_its_files_first(tmp_path, monkeypatch):

@@ -110,6 +110,10 @@ class Run:
         predict, it is the only copy of the weights), and the failed call puts it
         back (`_keras_compat.settle_failed_call`)."""
         problem = self.host.failure if self.host is not None else None
+        if problem is None:  # Ctrl-C in a step of a call this one is nested in
+            problem = next((run.host.failure for run in _scope.runs_here()
+                            if run.host is not None and run.host.failure is not None
+                            and not isinstance(run.host.failure, Exception)), None)
         if problem is None and self.scopes:
             problem = self._opened_since(model)
         if problem is None:

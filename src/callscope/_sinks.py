@@ -414,11 +414,16 @@ class Landing:
         try:
             with self._lock:
                 problems = [self.failure] if self.failure is not None else []
+                stopped = None  # an interrupt while the last step lands: the files close
                 for finish in (self.land, self._close_writer):
                     try:
                         finish()
                     except Exception as problem:
                         problems.append(problem)
+                    except BaseException as interrupt:
+                        stopped = stopped or interrupt
+                if stopped is not None:
+                    raise stopped
             ended = True
         finally:
             # Released last, whatever happened (an interrupt too): a capture's exit
@@ -464,8 +469,9 @@ class Call(Mapping):
             this capture records too, was running in the same thread: `fit`'s
             validation, or a callback's `predict`.
         failed: True for a call that raised (an error caught inside the scope, or
-            the one that left it): its rows stop at the last step that ran.
-            `cs.load_capture` gives it back.
+            the one that left it): its rows stop at the last step that ran (a
+            Ctrl-C that cut a step's values short may leave its keys a step
+            apart). `cs.load_capture` gives it back.
     """
 
     def __init__(self, spec: Spec, method: str, nested: bool, directory: str | None,
