@@ -612,6 +612,16 @@ def test_import_registers_the_custom_objects_a_file_needs(saved, tmp_path, monke
     proc = run_here("inspect", tmp_path / "net.keras", "--data", data, "--json",
                     "--import", str(tmp_path / "lib" / "uses_helpers.py"))
     assert proc.returncode == 0, proc.stderr
+    # An `--out` that holds the code `--import` ran, or what that code imported, is
+    # refused as one that holds the model: --overwrite deleted the user's code.
+    forget()
+    sys.modules.pop("uses_helpers", None)
+    sys.modules.pop("helpers", None)
+    _one_line_error(run_here("inspect", tmp_path / "net.keras", "--data", data,
+                             "--import", str(tmp_path / "lib" / "uses_helpers.py"),
+                             "--out", tmp_path / "lib", "--overwrite"), 1,
+                    f"--out {tmp_path / 'lib'} holds ", "which --overwrite would delete")
+    assert {"helpers.py", "uses_helpers.py"} <= set(os.listdir(tmp_path / "lib"))
     (tmp_path / "lib" / "needs.py").write_text("import not_installed_anywhere\n")
     _one_line_error(run_here("inspect", tmp_path / "net.keras", "--data", data,
                              "--import", str(tmp_path / "lib" / "needs.py")), 1,

@@ -422,3 +422,40 @@ def test_a_widened_patch_array_a_cast_would_change_is_refused_by_its_own_dtype()
                        r"float8_e4m3fn for a point of dtype int32"):
         with cs.patch(model, {"s/i": np.full((2, 2), 0.25, ml_dtypes.float8_e4m3fn)}):
             model.predict(np.ones((2, 2), "float32"), verbose=0)
+
+
+class _Casts(keras.layers.Layer):
+    """Sows its input as uint8 and float16, and goes on with both."""
+
+    def call(self, x):
+        small = cs.sow(self, "u8", keras.ops.cast(x, "uint8"))
+        half = cs.sow(self, "f16", keras.ops.cast(x, "float16"))
+        return keras.ops.cast(small, "float32") + keras.ops.cast(half, "float32")
+
+
+@pytest.mark.parametrize("run_eagerly", [False, True])
+def test_a_patch_whose_values_the_points_dtype_cannot_hold_raises(run_eagerly):
+    # A patch is cast to the point's dtype: 300 as uint8 read 44, -1 read 255,
+    # 2**32 + 5 as int32 read 5 and 1e6 as float16 read inf, with no error.
+    model = cs.Sequential([keras.Input((3,)), _Casts(name="c")], name="net")
+    model.compile(run_eagerly=run_eagerly)
+    x = np.ones((4, 3), "float32")
+    for point, patch in (("u8", np.full((4, 3), 300)), ("u8", np.full((4, 3), -1, "int32")),
+                         ("u8", lambda v: keras.ops.cast(v, "int32") * 0 + 300),
+                         ("f16", np.full((4, 3), 1e6, "float32")),
+                         ("f16", lambda v: keras.ops.cast(v, "float32") * 1e6)):
+        wanted = {"u8": r"uint8 holds \[0, 255\], and a value past that wraps around",
+                  "f16": r"float16 holds finite values up to 65504; past that, inf"}[point]
+        with pytest.raises(ValueError, match=rf"The patch of `net/c/{point}` gave (int|float)"
+                                             rf"\d+ values .*cannot hold \({wanted}\).*"
+                                             rf"Received: .*out of"):
+            with cs.patch(model, {f"net/c/{point}": patch}):
+                model.predict(x, batch_size=2, verbose=0)
+    # Values in range are cast as they were: 255 and 65504 are held.
+    with cs.patch(model, {"net/c/u8": np.full((4, 3), 255), "net/c/f16": lambda v: v * 0 + 65504}):
+        out = model.predict(x, batch_size=2, verbose=0)
+    np.testing.assert_array_equal(out, np.full((4, 3), 255 + 65504, "float32"))
+    if BACKEND == "jax":  # (int64 is held as int32 there: refused before any step)
+        with pytest.raises(ValueError, match=r"holds int64 values from 4294967301 to "
+                                             r"4294967301, and JAX holds them as int32"):
+            cs.patch(model, {"net/c/u8": np.full((4, 3), 2**32 + 5)})

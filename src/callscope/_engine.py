@@ -404,6 +404,7 @@ class Engine(CaptureMixin):
                 raise
             run.end()
             if run.patches:
+                run.check_casts()
                 kind = CALL_KINDS[method]
                 self._cs_check_reached(run.patches, run.method,
                                        run.reached(kind, entry.hits.get(kind, {})))

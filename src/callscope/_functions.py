@@ -137,6 +137,9 @@ def step_closure(model, kind, values, specs, patches, reads, hits, used):
             sown = _steps.finalize(collector, kind, args, kwargs)
             if trace is not None:
                 sown[_record.TRACE] = trace.tensor
+                if active.lost:
+                    sown[_record.LOST] = {k: keras.ops.cast(flag, "int32")
+                                          for k, flag in active.lost.items()}
             return _steps.attach(kind, result, sown) if sown else result
         finally:
             _record.activate(*outer)

@@ -91,7 +91,7 @@ class ArrayPatch(DynamicPatch):
         # raises a clear error when the step returns (`RowOffset.check_end`).
         rows = ops.minimum(ops.arange(batch.rows, dtype="int32") + batch.start,
                            array.shape[0] - 1)
-        return ops.cast(ops.take(array, rows, axis=0), value.dtype)
+        return ops.take(array, rows, axis=0)  # (cast to the point's dtype, checked, after)
 
 
 def _check_kind(point: str, given, wanted, passed=None) -> None:
@@ -193,6 +193,27 @@ def _numbers(array: np.ndarray, what: str) -> np.ndarray:
     return _widened(array)
 
 
+def _narrowed_ints(array: np.ndarray, point: str) -> np.ndarray:
+    """JAX without `jax_enable_x64` holds 64-bit ints as 32-bit: an array patch in
+    those, or an error where its values do not fit (2**32 + 5 read 5)."""
+    if array.dtype not in (np.int64, np.uint64) or keras.backend.backend() != "jax":
+        return array
+    import jax
+
+    if jax.config.jax_enable_x64:
+        return array
+    held = np.dtype(np.int32 if array.dtype == np.int64 else np.uint32)
+    limits = np.iinfo(held)
+    if array.size and (array.min() < limits.min or array.max() > limits.max):
+        raise ValueError(
+            f"The array patch of `{point}` holds {array.dtype} values from {array.min()} "
+            f"to {array.max()}, and JAX holds them as {held} (it has no 64-bit integers "
+            "unless `jax_enable_x64` is set), which cannot: they would patch wrapped "
+            f"around. Pass values within {held}'s range. Received: an array of dtype "
+            f"{array.dtype}")
+    return array.astype(held)
+
+
 def _widened(array: np.ndarray) -> np.ndarray:
     """A float8 or float4 array as float32, an int4 or int2 one as (u)int8: exact,
     and held by every backend (TF has no kernel to take rows of float8, torch
@@ -245,7 +266,7 @@ def _normalized(point, fn, values):
                 f"An array patch of `{point}` gives one row per row of the data, so it "
                 f"needs a batch axis. Received: an array of shape {array.shape}"
             )
-        held = _numbers(array, f"The array patch of `{point}`")
+        held = _narrowed_ints(_numbers(array, f"The array patch of `{point}`"), point)
         return ArrayPatch(held, point, array.dtype if held.dtype != array.dtype else None)
     if not callable(fn):
         raise TypeError(

@@ -35,6 +35,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
 
 import keras
+import ml_dtypes
 import numpy as np
 from keras import ops
 
@@ -47,6 +48,7 @@ SOWN = "__callscope_sown__"
 OUTPUTS = "__callscope_outputs__"
 ROWS = "__callscope_rows__"  # a step's batch size, for patches that take the batch
 TRACE = "__callscope_trace__"  # the number of the trace a patched step ran
+LOST = "__callscope_lost__"  # per narrowing cast of a patch: did a value not fit?
 LOOP = object()  # the tree's value for a point inside a loop
 _TORCH = keras.backend.backend() == "torch"
 _TF = keras.backend.backend() == "tensorflow"
@@ -1527,6 +1529,9 @@ class Patches:
         for owner, point, fn in functions:
             self.owners.setdefault(owner, {})[point] = fn
         self.hits: set[tuple[int, str]] = set()
+        # "point\tgiven\twanted" -> a traced bool: a patch's value that the
+        # point's dtype cannot hold (read on the host when the call ends)
+        self.lost: dict[str, Any] = {}
         self.offset = offset  # a keras.Variable: rows before this batch
         self.inputs = inputs  # _inputs.Reader in a compiled step; None: eager
         self.takes_batch = any(getattr(fn, "takes_batch", False)
@@ -1611,7 +1616,7 @@ class Patches:
             f"`batch.rows`, or pass the full-data array itself as the patch.{rows} "
             f"Received: a value of shape {{got}} for `{name}`"
         )
-        return _in_dtypes_of(name, out, value)
+        return _in_dtypes_of(name, out, value, self.lost)
 
 
     def _values(self, owner, name, fn):
@@ -1657,12 +1662,14 @@ def active_patches() -> Patches | None:
     return _ACTIVE.patches
 
 
-def _in_dtypes_of(name: str, out, value):
-    """A patch function's result in the dtypes of the point's value, as an array
-    patch is: the layers after it got whatever dtype it returned, and read it each
-    backend its own way (a float32 result at an int32 point: one_hot gave zeros on
-    JAX, a truncation on TF and torch). A cast that would change values beyond
-    rounding (floats to ints, numbers to bools) is refused."""
+def _in_dtypes_of(name: str, out, value, lost: dict):
+    """A patch's result in the dtypes of the point's value: the layers after it got
+    whatever dtype it returned, and read it each backend its own way (a float32
+    result at an int32 point: one_hot gave zeros on JAX, a truncation on TF and
+    torch). A cast that would change values beyond rounding (floats to ints,
+    numbers to bools) is refused; one that may not hold every value (int32 to
+    uint8 wraps 300 to 44, float32 to float16 overflows 1e6 to inf) is checked
+    (`_unheld`)."""
     outs, wants = keras.tree.flatten(out), keras.tree.flatten(value)
     cast = []
     for got, want in zip(outs, wants):
@@ -1675,6 +1682,7 @@ def _in_dtypes_of(name: str, out, value):
         if got_dtype == want_dtype:
             cast.append(got)
         elif _inputs.may_hold(want_dtype, got_dtype):
+            _unheld(name, got, got_dtype, want_dtype, lost)
             cast.append(ops.cast(got, want_dtype))
         else:
             raise TypeError(
@@ -1687,6 +1695,46 @@ def _in_dtypes_of(name: str, out, value):
     if all(c is o for c, o in zip(cast, outs)):
         return out
     return keras.tree.pack_sequence_as(out, cast)
+
+
+def _narrows(given: str, wanted: str) -> bool:
+    """Whether some value of dtype `given` is out of `wanted`'s range."""
+    if given == "bool":
+        return False
+    info = (np.iinfo if _inputs.kind(wanted) == "int" else ml_dtypes.finfo)(wanted)
+    held = (np.iinfo if _inputs.kind(given) == "int" else ml_dtypes.finfo)(given)
+    return held.min < info.min or held.max > info.max
+
+
+def _unheld(name: str, got, given: str, wanted: str, lost: dict) -> None:
+    """Checks that the values of a patch's `got` fit in the point's dtype, where the
+    cast may not hold them all: an error at once in an eager step; in a compiled
+    one a flag the step returns, read when the call ends (`Run.check_casts`)."""
+    if not _narrows(given, wanted):
+        return
+    cast = ops.cast(got, wanted)
+    if _inputs.kind(wanted) == "int":  # (round trip: int8 -1 as uint8 is 255)
+        flag = ops.any(ops.not_equal(ops.cast(cast, given), got))
+    else:
+        finite = ops.isfinite(got) if _inputs.kind(given) == "float" else True
+        flag = ops.any(ops.logical_and(finite, ops.logical_not(ops.isfinite(cast))))
+    if _backend.is_tracing_now():
+        lost[f"{name}\t{given}\t{wanted}"] = flag
+    elif bool(ops.convert_to_numpy(flag)):
+        raise ValueError(unheld_message(name, given, wanted))
+
+
+def unheld_message(name: str, given: str, wanted: str) -> str:
+    if _inputs.kind(wanted) == "int":
+        limits = np.iinfo(wanted)
+        past = f"holds [{limits.min}, {limits.max}], and a value past that wraps around"
+    else:
+        past = f"holds finite values up to {ml_dtypes.finfo(wanted).max:g}; past that, inf"
+    return (
+        f"The patch of `{name}` gave {given} values that the point's dtype, {wanted}, "
+        f"cannot hold ({wanted} {past}): the layers after it would have taken other "
+        f"values. Give values within {wanted}'s range (`keras.ops.clip`). Received: "
+        f"{given} values out of {wanted}'s range for `{name}`")
 
 
 @contextlib.contextmanager

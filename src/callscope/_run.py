@@ -30,7 +30,7 @@ from typing import Any
 import keras
 import numpy as np
 
-from callscope import _backend, _inputs, _keras_compat, _keys, _scope
+from callscope import _backend, _inputs, _keras_compat, _keys, _record, _scope
 
 
 
@@ -59,6 +59,8 @@ class Run:
     # kind of step -> the numbers of the traces its patched compiled steps ran, as
     # the steps returned them (read at the end: reading one waits for its step)
     traces: dict = field(default_factory=dict)
+    # per patched compiled step whose patches cast narrower: {point, dtypes: flag}
+    casts: list = field(default_factory=list)
 
     @property
     def has_inputs(self) -> bool:
@@ -162,6 +164,33 @@ class Run:
         """The run ended (or raised `error`): the last values land, files close."""
         if self.host is not None:
             self.host.end(error)
+
+    def noted_casts(self, flags: dict) -> None:
+        """A patched compiled step's flags of narrowing casts (`_record._unheld`)."""
+        self.casts.append(flags)
+        if len(self.casts) > 256:  # bounded: the earlier steps are done by now
+            self.casts[:] = [_lost_casts(self.casts)]
+
+    def check_casts(self) -> None:
+        """Raises where a patch gave a compiled step values that the point's dtype
+        could not hold: read at the end (a read waits for its step)."""
+        if lost := _lost_casts(self.casts):
+            raise ValueError(_record.unheld_message(*sorted(lost)[0].split("\t")))
+
+
+def _lost_casts(steps) -> set[str]:
+    """The casts that lost a value in some step (`Run.noted_casts`)."""
+    lost = set()
+    for flags in steps:
+        if isinstance(flags, set):
+            lost |= flags
+            continue
+        for name, flag in flags.items():
+            if _backend.spans_processes(flag):
+                flag = flag.addressable_shards[0].data
+            if name not in lost and np.any(keras.ops.convert_to_numpy(flag)):
+                lost.add(name)
+    return lost
 
 
 def _trace_numbers(arrays) -> set[int]:

@@ -85,6 +85,9 @@ def pop_sown(kind, result, run):
     trace = sown.pop(_record.TRACE, None) if isinstance(sown, dict) else None
     if trace is not None and run is not None:
         run.ran_trace(kind, trace)
+    lost = sown.pop(_record.LOST, None) if isinstance(sown, dict) else None
+    if lost is not None and run is not None:
+        run.noted_casts(lost)
     if _backend.BACKEND == "tensorflow" and isinstance(sown, dict):
         _check_agreed(sown)
     if rows is not None and run is not None and run.offset is not None:

@@ -381,8 +381,9 @@ def _model_data(layout, arrays, rows=None):
 
 def _check_out(out, overwrite, given=()):
     """Refuses an `--out` that is a file, or a directory with files but no
-    `--overwrite`, or one that holds a file `given` (the model, the data: emptied,
-    it would delete them), before any work (`_make_out` empties it later)."""
+    `--overwrite`, or one that holds a file `given` (the model, the data, the code
+    `--import` ran: emptied, it would delete them), before any work (`_make_out`
+    empties it later)."""
     if not out:
         raise InputError("--out takes a directory; received an empty path")
     if os.path.exists(out) and not os.path.isdir(out):
@@ -417,13 +418,17 @@ def run_inspect(args):
     import callscope as cs
     from callscope import report
 
+    before = set(sys.modules)
     model = _load_model(args.model, args.unsafe, args.imports)
+    # (The code `--import` ran, and what it imported: an `--out` that held it lost it.)
+    code = [getattr(sys.modules.get(name), "__file__", None) for name in set(sys.modules) - before]
     layout, shapes = _model_inputs(model)
     arrays = _load_data(args.data, list(shapes))
     _check_shape(shapes, arrays, args.data)
     data = _model_data(layout, arrays)
     if args.out is not None:
-        _check_out(args.out, args.overwrite, given=(args.model, args.data))
+        _check_out(args.out, args.overwrite,
+                   given=(args.model, args.data, *[path for path in code if path]))
         try:  # (before any work: the plot comes last)
             import matplotlib  # noqa: F401
         except ImportError:
