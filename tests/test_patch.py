@@ -433,6 +433,17 @@ class _Casts(keras.layers.Layer):
         return keras.ops.cast(small, "float32") + keras.ops.cast(half, "float32")
 
 
+class _TwiceCast(cs.Model):
+    """One `_Casts` layer called twice in a call: its points are patched twice."""
+
+    def __init__(self):
+        super().__init__(name="net")
+        self.c = _Casts(name="c")
+
+    def call(self, x):
+        return self.c(x) + self.c(x * 0.0)
+
+
 @pytest.mark.parametrize("run_eagerly", [False, True])
 def test_a_patch_whose_values_the_points_dtype_cannot_hold_raises(run_eagerly):
     # A patch is cast to the point's dtype: 300 as uint8 read 44, -1 read 255,
@@ -441,6 +452,7 @@ def test_a_patch_whose_values_the_points_dtype_cannot_hold_raises(run_eagerly):
     model.compile(run_eagerly=run_eagerly)
     x = np.ones((4, 3), "float32")
     for point, patch in (("u8", np.full((4, 3), 300)), ("u8", np.full((4, 3), -1, "int32")),
+                         ("u8", np.full((4, 3), -1, "int8")),  # (255 as uint8, -1 back)
                          ("u8", lambda v: keras.ops.cast(v, "int32") * 0 + 300),
                          ("f16", np.full((4, 3), 1e6, "float32")),
                          ("f16", lambda v: keras.ops.cast(v, "float32") * 1e6)):
@@ -455,7 +467,42 @@ def test_a_patch_whose_values_the_points_dtype_cannot_hold_raises(run_eagerly):
     with cs.patch(model, {"net/c/u8": np.full((4, 3), 255), "net/c/f16": lambda v: v * 0 + 65504}):
         out = model.predict(x, batch_size=2, verbose=0)
     np.testing.assert_array_equal(out, np.full((4, 3), 255 + 65504, "float32"))
-    if BACKEND == "jax":  # (int64 is held as int32 there: refused before any step)
+    # A layer called twice: the first call's values overflow, the second's do not.
+    twice = _TwiceCast()
+    twice.compile(run_eagerly=run_eagerly)
+    with pytest.raises(ValueError, match=r"The patch of `net/c/f16` gave float32 values"):
+        with cs.patch(twice, {"net/c/f16": lambda v: keras.ops.cast(v, "float32") * 1e6}):
+            twice.predict(x, batch_size=2, verbose=0)
+    if BACKEND == "jax":  # (64-bit numbers are held as 32-bit there: refused at once)
         with pytest.raises(ValueError, match=r"holds int64 values from 4294967301 to "
                                              r"4294967301, and JAX holds them as int32"):
             cs.patch(model, {"net/c/u8": np.full((4, 3), 2**32 + 5)})
+        with pytest.raises(ValueError, match=r"holds float64 values from 1e\+300 to "
+                                             r"1e\+300, and JAX holds them as float32"):
+            cs.patch(model, {"net/c/f16": np.full((4, 3), 1e300)})
+
+
+@pytest.mark.parametrize("run_eagerly", [False, True])
+def test_a_float32_array_patch_of_a_float32_point_under_mixed_precision_is_exact(run_eagerly):
+    # The array's hidden variable (TF, torch) was read inside the layer's float16
+    # autocast: 1.0001 read 1.0 and 1e6 read inf, with no error.
+    policy = keras.config.dtype_policy()
+    keras.config.set_dtype_policy("mixed_float16")
+    try:
+        model = cs.Sequential([keras.Input((3,)), _SowsFloat32(name="c")], name="net")
+        model.compile(run_eagerly=run_eagerly)
+        x = np.ones((4, 3), "float32")
+        patch = np.full((4, 3), 1.0001, "float32")
+        patch[0] = 1e6
+        with cs.patch(model, {"net/c/f32": patch}):
+            out = model.predict(x, batch_size=2, verbose=0)
+    finally:
+        keras.config.set_dtype_policy(policy)
+    np.testing.assert_array_equal(out, patch)
+
+
+class _SowsFloat32(keras.layers.Layer):
+    """A float32 value inside a float16 layer (statistics kept in float32)."""
+
+    def call(self, x):
+        return cs.sow(self, "f32", keras.ops.cast(x, "float32") * 1.0)

@@ -138,7 +138,9 @@ def step_closure(model, kind, values, specs, patches, reads, hits, used):
             if trace is not None:
                 sown[_record.TRACE] = trace.tensor
                 if active.lost:
-                    sown[_record.LOST] = {k: keras.ops.cast(flag, "int32")
+                    # (float32: tf.distribute averages a step's outputs over its
+                    # replicas, and an int mean of [0, 1] read 0)
+                    sown[_record.LOST] = {k: keras.ops.cast(flag, "float32")
                                           for k, flag in active.lost.items()}
             return _steps.attach(kind, result, sown) if sown else result
         finally:

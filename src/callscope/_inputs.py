@@ -142,8 +142,10 @@ def assign(model, run, kind: str, values: dict) -> None:
             strategy = getattr(model, "distribute_strategy", None)
             scope = strategy.scope() if strategy is not None else contextlib.nullcontext()
             with scope:
+                # (Not autocast: read inside a mixed-precision layer's call, a
+                # float32 patch array or value was read as float16 there, 1e6 as inf.)
                 variable = keras.Variable(array, dtype=str(array.dtype), trainable=False,
-                                          name="callscope_input")
+                                          autocast=False, name="callscope_input")
             state.slots[slot] = variable
         variable.assign(array)
         state.assigned += 1

@@ -194,24 +194,32 @@ def _numbers(array: np.ndarray, what: str) -> np.ndarray:
 
 
 def _narrowed_ints(array: np.ndarray, point: str) -> np.ndarray:
-    """JAX without `jax_enable_x64` holds 64-bit ints as 32-bit: an array patch in
-    those, or an error where its values do not fit (2**32 + 5 read 5)."""
-    if array.dtype not in (np.int64, np.uint64) or keras.backend.backend() != "jax":
+    """JAX without `jax_enable_x64` holds 64-bit numbers as 32-bit: an array patch in
+    those, or an error where its values do not fit (2**32 + 5 read 5, 1e300 inf)."""
+    held = {np.dtype(np.int64): np.dtype(np.int32), np.dtype(np.uint64): np.dtype(np.uint32),
+            np.dtype(np.float64): np.dtype(np.float32)}.get(array.dtype)
+    if held is None or keras.backend.backend() != "jax":
         return array
     import jax
 
     if jax.config.jax_enable_x64:
         return array
-    held = np.dtype(np.int32 if array.dtype == np.int64 else np.uint32)
-    limits = np.iinfo(held)
-    if array.size and (array.min() < limits.min or array.max() > limits.max):
+    if held.kind == "f":
+        with np.errstate(over="ignore"):
+            narrowed = array.astype(held)
+        fits = np.array_equal(np.isfinite(narrowed), np.isfinite(array))
+    else:
+        limits = np.iinfo(held)
+        fits = not array.size or limits.min <= array.min() and array.max() <= limits.max
+        narrowed = array.astype(held) if fits else array
+    if not fits:
         raise ValueError(
-            f"The array patch of `{point}` holds {array.dtype} values from {array.min()} "
-            f"to {array.max()}, and JAX holds them as {held} (it has no 64-bit integers "
-            "unless `jax_enable_x64` is set), which cannot: they would patch wrapped "
-            f"around. Pass values within {held}'s range. Received: an array of dtype "
-            f"{array.dtype}")
-    return array.astype(held)
+            f"The array patch of `{point}` holds {array.dtype} values from "
+            f"{np.nanmin(array)} to {np.nanmax(array)}, and JAX holds them as {held} (it "
+            "has no 64-bit numbers unless `jax_enable_x64` is set), which cannot: they "
+            f"would patch wrapped around, or as inf. Pass values within {held}'s range. "
+            f"Received: an array of dtype {array.dtype}")
+    return narrowed
 
 
 def _widened(array: np.ndarray) -> np.ndarray:

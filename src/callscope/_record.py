@@ -1697,13 +1697,28 @@ def _in_dtypes_of(name: str, out, value, lost: dict):
     return keras.tree.pack_sequence_as(out, cast)
 
 
+def _limits(dtype: str) -> tuple | None:
+    """(lowest, highest) value of a numeric dtype; None for bool and others."""
+    kind = _inputs.kind(dtype)
+    if kind not in ("int", "float"):
+        return None
+    info = (np.iinfo if kind == "int" else ml_dtypes.finfo)(dtype)
+    return info.min.item() if kind == "float" else int(info.min), (
+        info.max.item() if kind == "float" else int(info.max))
+
+
+# (Looked up, never computed, inside a step: under torch.compile, `ml_dtypes.finfo`
+# broke the graph into a frame per layer.)
+_LIMITS = {name: _limits(name) for name in (
+    "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
+    "float16", "bfloat16", "float32", "float64")}
+
+
 def _narrows(given: str, wanted: str) -> bool:
     """Whether some value of dtype `given` is out of `wanted`'s range."""
-    if given == "bool":
-        return False
-    info = (np.iinfo if _inputs.kind(wanted) == "int" else ml_dtypes.finfo)(wanted)
-    held = (np.iinfo if _inputs.kind(given) == "int" else ml_dtypes.finfo)(given)
-    return held.min < info.min or held.max > info.max
+    held, into = _LIMITS.get(given), _LIMITS.get(wanted)
+    return held is not None and into is not None and (
+        held[0] < into[0] or held[1] > into[1])
 
 
 def _unheld(name: str, got, given: str, wanted: str, lost: dict) -> None:
@@ -1712,14 +1727,24 @@ def _unheld(name: str, got, given: str, wanted: str, lost: dict) -> None:
     one a flag the step returns, read when the call ends (`Run.check_casts`)."""
     if not _narrows(given, wanted):
         return
-    cast = ops.cast(got, wanted)
-    if _inputs.kind(wanted) == "int":  # (round trip: int8 -1 as uint8 is 255)
-        flag = ops.any(ops.not_equal(ops.cast(cast, given), got))
+    if _inputs.kind(wanted) == "int":
+        # By range, in the given dtype (which holds each bound it is checked
+        # against): a round trip passed int8 -1 as uint8, 255, and back, -1.
+        (low, high), (held_low, held_high) = _LIMITS[wanted], _LIMITS[given]
+        flag = None
+        for past, bound in ((ops.less, low), (ops.greater, high)):
+            if held_low <= bound <= held_high and (bound != held_low and bound != held_high):
+                beyond = ops.any(past(got, ops.convert_to_tensor(bound, dtype=given)))
+                flag = beyond if flag is None else ops.logical_or(flag, beyond)
+        if flag is None:
+            return
     else:
         finite = ops.isfinite(got) if _inputs.kind(given) == "float" else True
-        flag = ops.any(ops.logical_and(finite, ops.logical_not(ops.isfinite(cast))))
+        flag = ops.any(ops.logical_and(finite, ops.logical_not(ops.isfinite(
+            ops.cast(got, wanted)))))
     if _backend.is_tracing_now():
-        lost[f"{name}\t{given}\t{wanted}"] = flag
+        key = f"{name}\t{given}\t{wanted}"  # (a layer called twice: either call's)
+        lost[key] = flag if key not in lost else ops.logical_or(lost[key], flag)
     elif bool(ops.convert_to_numpy(flag)):
         raise ValueError(unheld_message(name, given, wanted))
 
