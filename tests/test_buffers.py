@@ -739,8 +739,9 @@ def test_a_capture_directory_removed_while_the_run_streams_stays_removed(tmp_pat
 
     class Removes(keras.callbacks.Callback):
         def on_predict_batch_end(self, index, logs=None):
-            if index == 0:
-                shutil.rmtree(target)
+            if index == 0:  # (moved first: the writer may be making a file in it)
+                os.rename(target, tmp_path / "gone")
+                shutil.rmtree(tmp_path / "gone", ignore_errors=True)
 
     with pytest.raises(_writer.WriteError, match=r"No such file or directory"):
         with cs.capture(model, "m/wide", to=target):
