@@ -706,12 +706,10 @@ def _held_as(name: str, array: np.ndarray, dtype: np.dtype) -> np.ndarray:
         error, problem = TypeError, f"a {array.dtype} value cannot be held as {dtype}"
         fix = ("Pass values of that kind; to hold floats, make the first value a float "
                "(1.0, not 1)")
-    elif dtype.kind in "iu" and array.size and (
-            int(array.min()) < np.iinfo(dtype).min or int(array.max()) > np.iinfo(dtype).max):
-        # (By range, not by a round trip: int8 -1 held as uint8 comes back as -1.)
+    elif not _inputs.holds(array, dtype) and _inputs.kind(dtype) == "int":
         error, problem = ValueError, f"the value does not fit in {dtype}"
         fix = f"Pass values within {dtype}'s range, or make the first value a float"
-    elif dtype.kind == "f" and not np.array_equal(np.isfinite(held), np.isfinite(array)):
+    elif not _inputs.holds(array, dtype):
         error, problem = ValueError, f"the value overflows {dtype}"
         fix = f"Pass values within {dtype}'s range"
     else:

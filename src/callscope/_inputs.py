@@ -47,6 +47,21 @@ def may_hold(wanted, given) -> bool:
     return kind(given) in held.get(kind(wanted), ())
 
 
+def holds(array: np.ndarray, dtype) -> bool:
+    """Whether numeric `dtype` holds every value of `array` (a kind `may_hold`
+    allows) up to rounding: integers by range (a round trip passed int8 -1 as
+    uint8: 255, and back, -1), floats by staying finite (1e6 as float16 is inf)."""
+    if not array.size:
+        return True
+    if kind(dtype) == "int":
+        limits = np.iinfo(dtype)
+        return limits.min <= int(array.min()) and int(array.max()) <= limits.max
+    if kind(dtype) == "float" and kind(array.dtype) == "float":
+        with np.errstate(over="ignore", invalid="ignore"):
+            return np.array_equal(np.isfinite(array.astype(dtype)), np.isfinite(array))
+    return True
+
+
 def cast_loss(wanted) -> str:
     """How a cast to `wanted` that `may_hold` refuses would change a value, for
     error messages."""

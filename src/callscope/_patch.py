@@ -204,22 +204,14 @@ def _narrowed_ints(array: np.ndarray, point: str) -> np.ndarray:
 
     if jax.config.jax_enable_x64:
         return array
-    if held.kind == "f":
-        with np.errstate(over="ignore"):
-            narrowed = array.astype(held)
-        fits = np.array_equal(np.isfinite(narrowed), np.isfinite(array))
-    else:
-        limits = np.iinfo(held)
-        fits = not array.size or limits.min <= array.min() and array.max() <= limits.max
-        narrowed = array.astype(held) if fits else array
-    if not fits:
+    if not _inputs.holds(array, held):
         raise ValueError(
             f"The array patch of `{point}` holds {array.dtype} values from "
             f"{np.nanmin(array)} to {np.nanmax(array)}, and JAX holds them as {held} (it "
             "has no 64-bit numbers unless `jax_enable_x64` is set), which cannot: they "
             f"would patch wrapped around, or as inf. Pass values within {held}'s range. "
             f"Received: an array of dtype {array.dtype}")
-    return narrowed
+    return array.astype(held)
 
 
 def _widened(array: np.ndarray) -> np.ndarray:
@@ -254,7 +246,7 @@ def _value_array(name, value) -> np.ndarray:
     if array.dtype.kind == "f":
         return array.astype(keras.config.floatx())
     if array.dtype.kind in "iu" and array.dtype.itemsize == 8:
-        if array.size and (array.min() < -(2**31) or array.max() >= 2**31):
+        if not _inputs.holds(array, "int32"):
             raise ValueError(
                 f"`cs.patch(..., values=)` passes integers as int32. values[{name!r}] "
                 f"does not fit. Received: values[{name!r}] with range "

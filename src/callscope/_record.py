@@ -1011,9 +1011,8 @@ def _check_ints_held(point: str, array: np.ndarray, tensor) -> None:
     """Integers the backend narrowed (JAX without `jax_enable_x64` holds int64 and
     uint64 as 32-bit) are refused where they do not fit: 2**40 + 1 read 1."""
     held = keras.backend.standardize_dtype(tensor.dtype)
-    limits = np.iinfo(held)
-    low, high = array.min(), array.max()
-    if low < limits.min or high > limits.max:
+    if not _inputs.holds(array, held):
+        low, high = array.min(), array.max()
         raise ValueError(
             f"cs.sow of `{point}` was given {array.dtype} values from {low} to {high}, "
             f"and {keras.backend.backend()} holds them as {held}, which cannot (JAX has no "
