@@ -56,11 +56,10 @@ class Run:
     # `run_eagerly`: their Python runs every step, so this run's own reach is
     # known; a compiled step's is its trace's, kept by the key)
     eager_hits: dict = field(default_factory=dict)
-    # kind of step -> the numbers of the traces its patched compiled steps ran, as
-    # the steps returned them (read at the end: reading one waits for its step)
+    # kind of step -> the numbers of the traces its patched compiled steps ran
     traces: dict = field(default_factory=dict)
-    # per patched compiled step whose patches cast narrower: {point, dtypes: flag}
-    casts: list = field(default_factory=list)
+    # the casts of patches that lost a value in a compiled step (`_record._unheld`)
+    casts: StepNotes = field(default_factory=lambda: StepNotes(_lost_casts))
 
     @property
     def has_inputs(self) -> bool:
@@ -80,17 +79,16 @@ class Run:
 
     def ran_trace(self, kind: str, number) -> None:
         """A patched compiled step of `kind` ran the trace `number` (an array)."""
-        numbers = self.traces.setdefault(kind, [])
-        numbers.append(number)
-        if len(numbers) > 256:  # bounded: the earlier steps are done by now
-            self.traces[kind] = [_trace_numbers(numbers)]
+        if kind not in self.traces:
+            self.traces[kind] = StepNotes(_trace_numbers)
+        self.traces[kind].add(number)
 
     def reached(self, kind: str, traced: dict) -> set:
         """The patched points that this run's steps of `kind` reached: its eager
         steps', and those of the traces its compiled steps ran (`traced`: the
         key's, by trace number; `_keys.UNTRACKED` counts for every run)."""
         found = set(self.eager_hits.get(kind, ())) | traced.get(_keys.UNTRACKED, set())
-        for number in _trace_numbers(self.traces.get(kind, ())):
+        for number in self.traces[kind].read() if kind in self.traces else ():
             found |= traced.get(number, set())
         return found
 
@@ -167,44 +165,51 @@ class Run:
 
     def noted_casts(self, flags: dict) -> None:
         """A patched compiled step's flags of narrowing casts (`_record._unheld`)."""
-        self.casts.append(flags)
-        if len(self.casts) > 256:  # bounded: the earlier steps are done by now
-            self.casts[:] = [_lost_casts(self.casts)]
+        self.casts.add(flags)
 
     def check_casts(self) -> None:
         """Raises where a patch gave a compiled step values that the point's dtype
         could not hold: read at the end (a read waits for its step)."""
-        if lost := _lost_casts(self.casts):
+        if lost := self.casts.read():
             raise ValueError(_record.unheld_message(*sorted(lost)[0].split("\t")))
 
 
-def _lost_casts(steps) -> set[str]:
-    """The casts that lost a value in some step (`Run.noted_casts`)."""
-    lost = set()
-    for flags in steps:
-        if isinstance(flags, set):
-            lost |= flags
-            continue
-        for name, flag in flags.items():
-            if _backend.spans_processes(flag):
-                flag = flag.addressable_shards[0].data
-            if name not in lost and np.any(keras.ops.convert_to_numpy(flag)):
-                lost.add(name)
-    return lost
+class StepNotes:
+    """What compiled steps returned for the run to read at its end (trace numbers,
+    cast flags): kept as the steps' arrays, since reading one waits for its step,
+    and folded into a set every 256 steps (the earlier steps are done by then)."""
+
+    def __init__(self, found_in):
+        self._found_in = found_in  # one step's array or dict -> set
+        self._arrays: list = []
+        self._found: set = set()
+
+    def add(self, array) -> None:
+        self._arrays.append(array)
+        if len(self._arrays) > 256:
+            self.read()
+
+    def read(self) -> set:
+        for array in self._arrays:
+            self._found |= self._found_in(array)
+        self._arrays.clear()
+        return self._found
 
 
-def _trace_numbers(arrays) -> set[int]:
-    """The trace numbers that steps returned (each element of each array is one;
-    an array that spans JAX processes is read from a shard of this one's)."""
-    numbers = set()
-    for array in arrays:
-        if isinstance(array, set):
-            numbers |= array
-            continue
-        if _backend.spans_processes(array):
-            array = array.addressable_shards[0].data
-        numbers.update(int(n) for n in np.ravel(keras.ops.convert_to_numpy(array)))
-    return numbers
+def _lost_casts(flags: dict) -> set[str]:
+    """The casts whose flag one step raised (`Run.noted_casts`)."""
+    return {name for name, flag in flags.items()
+            if np.any(keras.ops.convert_to_numpy(_local(flag)))}
+
+
+def _trace_numbers(array) -> set[int]:
+    """The trace numbers that one step returned (one per element)."""
+    return {int(n) for n in np.ravel(keras.ops.convert_to_numpy(_local(array)))}
+
+
+def _local(array):
+    """An array that spans JAX processes is read from a shard of this one's."""
+    return array.addressable_shards[0].data if _backend.spans_processes(array) else array
 
 
 def _opened(what: str, method: str, effect: str, fix: str, received: str) -> str:
