@@ -77,6 +77,22 @@ def test_patch_leaves_no_trace_even_after_an_exception():
     np.testing.assert_array_equal(model.predict(CLEAN, verbose=0), base)
 
 
+def test_a_patch_of_a_held_model_that_missed_names_points_as_that_model_does():
+    # The hint named the caller's points (`ae/enc/d`), which a patch of `enc` does
+    # not take; patched, that name then "is a point of the model that no step of
+    # this call ran (a branch not taken)": a wrong reason.
+    enc = cs.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="d")], name="enc")
+    ae = cs.Sequential([keras.Input((4,)), enc, keras.layers.Dense(2, name="head")], name="ae")
+    for point in ("enc/dd", "ae/enc/d"):
+        with pytest.raises(ValueError, match=rf"never reached \['{point}'\] in this `predict`"
+                                             r": .* Nearest points: \['enc', 'enc/d'\]\. "
+                           ) as error:
+            with cs.patch(enc, {point: keras.ops.zeros_like}):
+                ae.predict(CLEAN, verbose=0)
+        assert "no step of this call ran" not in str(error.value)
+        assert "ae/" not in str(error.value).split("Nearest points")[1].split("Use")[0]
+
+
 @pytest.mark.parametrize("jit_compile", [False, "auto"])
 def test_two_open_patches_of_one_layer_are_refused_and_of_two_layers_both_apply(jit_compile):
     # The inner scope's patch replaced the outer one's, which was lost without a

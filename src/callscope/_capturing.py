@@ -180,25 +180,34 @@ class CaptureMixin:
 
     def _cs_check_reached(self, patches, method: str, hits: set) -> None:
         """A patch that this run's traces never reached is an error, at its end."""
-        check_reached(patches, method, hits, self._cs_known_points, self._cs.loops)
+        check_reached(patches, method, hits, self._cs_points_of, self._cs.loops)
+
+    def _cs_points_of(self, owner: int) -> list[str]:
+        """The points of the model `owner` (an id: this one, or one it holds) as a
+        patch of it names them (`enc/d`, not the caller's `ae/enc/d`)."""
+        held = next((layer for layer in self._flatten_layers() if id(layer) == owner), self)
+        return (held if hasattr(held, "_cs_known_points") else self)._cs_known_points()
 
 
-def check_reached(patches, method: str, hits: set, known=list, loops=None) -> None:
+def check_reached(patches, method: str, hits: set, points_of=lambda owner: [],
+                  loops=None) -> None:
     """A patch of `patches` (`(owner, point, fn)`) that `method` never reached is
-    an error. `known()` lists the model's points for the hint, and `loops` the
-    points inside loops (a patch there cannot be applied)."""
+    an error. `points_of(owner)` lists the points of the patched model `owner`
+    for the hint, and `loops` the points inside loops (a patch there cannot be
+    applied)."""
     missed = [(owner, point) for owner, point, _ in patches if (owner, point) not in hits]
     if not missed:
         return
-    known, loops = known(), loops or {}
-    points = [p for _, p in missed]
+    loops, points = loops or {}, [p for _, p in missed]
+    of_owner = {owner: points_of(owner) for owner in dict.fromkeys(o for o, _ in missed)}
+    known = list(dict.fromkeys(p for owned in of_owner.values() for p in owned))
     inside = {p: loops[p] for p in points if p in loops}
     if inside:
         raise _record.LoopPointError(_record.loop_message(*next(iter(inside.items()))))
     # `cs.points` lists each call of a shared layer as `point@i`, as captures
     # key it; a patch names the point, and applies to every call of it.
     hint = single_calls_hint(points, known, patching=True)
-    if named := [p for p in points if p in known]:  # points the model has: skipped
+    if named := [p for o, p in missed if p in of_owner[o]]:  # points it has: skipped
         hint += (f" {named} {'is a point' if len(named) == 1 else 'are points'} of the "
                  "model that no step of this call ran (a branch not taken, for these "
                  "batches' shapes or values).")
