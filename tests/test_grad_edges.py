@@ -1511,3 +1511,55 @@ def test_a_gradient_that_an_in_place_state_breaks_is_refused_by_name():
                        r"backward pass needs a value that a layer changed in place"):
         with cs.capture(model, "m/r", kinds=("grad",)):
             model.evaluate(x, np.zeros((4, 2), "float32"), batch_size=4, verbose=0)
+
+
+@pytest.mark.parametrize("activation, loss, units", [
+    ("sigmoid", "binary_crossentropy", 1), ("softmax", "categorical_crossentropy", 2)])
+def test_a_gradient_capture_keeps_the_loss_that_keras_computes_from_logits(
+        activation, loss, units):
+    # On TF, Keras computes a crossentropy from the logits it keeps on a sigmoid's or
+    # softmax's output. A gradient capture of that output dropped them: the loss of
+    # saturated rows read 16.03 (from clipped probabilities) for 40, and fit trained
+    # on it, with no error.
+    def build():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((1,))
+        hidden = keras.layers.Dense(3, name="hidden")(inputs)
+        model = cs.Model(inputs, keras.layers.Dense(units, activation=activation,
+                                                    name="head")(hidden), name="m")
+        model.set_weights([np.ones((1, 3), "float32"), np.zeros(3, "float32"),
+                           np.array([[13.0, -13.0][:units]] * 3, "float32"),
+                           np.zeros(units, "float32")])
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss)
+        return model
+
+    x = np.array([[1.0], [-1.0], [0.05]], "float32")
+    y = np.array([[0.0], [1.0], [1.0]] if units == 1 else [[0, 1], [1, 0], [0, 1]], "float32")
+    plain, captured = build(), build()
+    expected = plain.evaluate(x, y, verbose=0)
+    with cs.capture(captured, "*", kinds=("output", "grad")) as cap:
+        got = captured.evaluate(x, y, verbose=0)
+    assert got == pytest.approx(expected, rel=1e-6)
+    # The hidden layer's gradient is the backend's own, through the logits on TF.
+    w = numpy(captured.get_layer("head").kernel)
+    hidden = x @ np.ones((1, 3))
+    logits = hidden @ w
+    if units == 1:
+        dlogits = (1 / (1 + np.exp(-logits)) - y) / len(x)
+    else:
+        e = np.exp(logits - logits.max(-1, keepdims=True))
+        dlogits = (e / e.sum(-1, keepdims=True) - y) / len(x)
+    if BACKEND == "tensorflow":
+        np.testing.assert_allclose(cap["m/hidden:grad"], dlogits @ w.T, rtol=1e-4, atol=1e-6)
+        assert "m/head:grad" not in cap.keys()  # the loss does not pass through it
+        with pytest.raises(ValueError, match=r"d loss / d `m/head` is not taken on "
+                                             r"TensorFlow: .*crossentropy from the logits"):
+            with cs.capture(captured, "m/head", kinds=("grad",)):
+                captured.evaluate(x, y, verbose=0)
+    else:  # from clipped probabilities, through the output, as the loss is computed
+        assert cap["m/head:grad"].shape == (3, units)
+    plain.fit(x, y, batch_size=3, epochs=2, verbose=0, shuffle=False)
+    with cs.capture(captured, "*", kinds=("grad",)):
+        captured.fit(x, y, batch_size=3, epochs=2, verbose=0, shuffle=False)
+    for a, b in zip(plain.get_weights(), captured.get_weights()):
+        np.testing.assert_array_equal(a, b)

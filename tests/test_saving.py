@@ -326,3 +326,46 @@ def test_export_serves_the_default_and_an_endpoint_serves_a_value(tmp_path):
     archive.write_out(str(tmp_path / "debugging"), verbose=False)
     served = tf.saved_model.load(str(tmp_path / "debugging"))
     np.testing.assert_allclose(served.serve(x), plain * 0.5, rtol=1e-6)
+
+
+def _user_trace(model, x):
+    """The backend's way to turn the model into code that runs without it."""
+    if BACKEND == "torch":  # records the ops that ran, for `torch.jit.save`
+        import torch
+
+        traced = torch.jit.trace(model, (torch.tensor(x),), check_trace=False)
+        return lambda v: traced(torch.tensor(v)).detach().numpy()
+    if BACKEND == "jax":
+        import jax
+
+        traced = jax.jit(lambda v: model(v))
+        traced(x)
+        return lambda v: np.asarray(traced(v))
+    import tensorflow as tf
+
+    traced = tf.function(lambda v: model(v))
+    traced(x)
+    return lambda v: traced(v).numpy()
+
+
+def test_a_users_trace_under_a_scope_is_refused_and_without_one_serves_plain_values():
+    # `torch.jit.trace` under a `cs.patch` or `cs.context` kept the patch or the
+    # value in the traced module, which served it outside any scope (after
+    # `torch.jit.save` and `load` too), with no error: callscope took the trace for
+    # an eager call. It is refused as `jax.jit` and `tf.function` are.
+    model = cs.Sequential([keras.Input((4,)), HalvesWhenDebugging(name="b0")], name="seq")
+    model.register_context_args("debugging")
+    x = np.random.default_rng(0).normal(size=(3, 4)).astype("float32")
+    plain = model.predict(x, verbose=0)
+    for scope, error in ((lambda: cs.patch(model, {"seq/b0": lambda v: v * 0 + 7}),
+                          r"cs.patch cannot record or intervene inside a function it did "
+                          r"not compile"),
+                         (lambda: cs.capture(model, "seq/b0"), r"cs.capture cannot record"),
+                         (lambda: cs.context(debugging=True),
+                          r"`debugging` is set in the caller's scope")):
+        with pytest.raises(RuntimeError, match=error):
+            with scope():
+                _user_trace(model, x)
+    np.testing.assert_allclose(_user_trace(model, x)(x * 2), model.predict(x * 2, verbose=0),
+                               rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(_user_trace(model, x)(x), plain, rtol=1e-6, atol=1e-6)

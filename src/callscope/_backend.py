@@ -23,7 +23,7 @@ BACKEND = keras.backend.backend()
 
 def is_tracing(leaves) -> bool:
     """True inside a compiled function's Python: a JAX trace (tracer inputs), a
-    `tf.function` graph, or `torch.compile`'s dynamo."""
+    `tf.function` graph, `torch.compile`'s dynamo, or `torch.jit.trace`."""
     if BACKEND == "jax":
         import jax
 
@@ -35,7 +35,9 @@ def is_tracing(leaves) -> bool:
     if BACKEND == "torch":
         import torch
 
-        return bool(torch.compiler.is_compiling())
+        # (`torch.jit.trace` records the ops that ran, as code: a patch or a context
+        # value it saw would be served by the traced module, outside any scope.)
+        return bool(torch.compiler.is_compiling() or torch.jit.is_tracing())
     return False
 
 
@@ -56,7 +58,9 @@ def is_tracing_now() -> bool:
     if BACKEND == "torch":
         import torch
 
-        return bool(torch.compiler.is_compiling())
+        # (`torch.jit.trace` records the ops that ran, as code: a patch or a context
+        # value it saw would be served by the traced module, outside any scope.)
+        return bool(torch.compiler.is_compiling() or torch.jit.is_tracing())
     return False
 
 
@@ -503,6 +507,21 @@ def process_index() -> tuple[int, int]:
 
         _processes = (jax.process_index(), jax.process_count())
     return _processes
+
+
+def layout(value) -> str | None:
+    """"sparse" for a TF `SparseTensor` or a JAX sparse array (BCOO), "ragged" for
+    a TF `RaggedTensor`; None for a dense value (torch has neither)."""
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        return ("sparse" if isinstance(value, tf.SparseTensor)
+                else "ragged" if isinstance(value, tf.RaggedTensor) else None)
+    if BACKEND == "jax":
+        from jax.experimental import sparse
+
+        return "sparse" if isinstance(value, sparse.JAXSparse) else None
+    return None
 
 
 def spans_processes(value) -> bool:

@@ -253,6 +253,8 @@ def first_x(args, kwargs):
     leaves = keras.tree.flatten(x)
     if not leaves or not all(isinstance(v, np.ndarray) or keras.ops.is_tensor(v) for v in leaves):
         return None
+    if any(_backend.layout(v) for v in leaves):  # (a tf.SparseTensor takes no `[:1]`)
+        return None
     return keras.tree.map_structure(lambda v: v[:1], x)
 
 

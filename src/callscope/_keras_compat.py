@@ -156,6 +156,21 @@ def set_keras_mask(tensor, mask) -> None:
 
 
 # --------------------------------------------------------------------------
+# Logits under a probability (keras 3.15.1: backend/tensorflow/nn.py:41-45 and
+# :166-173, activations/activations.py:158-163 and :497-502 set `_keras_logits` on
+# a sigmoid's or softmax's output; `_get_logits`, nn.py:1262-1295, makes the
+# crossentropies compute from them, exactly where the probability saturates).
+# --------------------------------------------------------------------------
+def keras_logits(tensor):
+    """The logits Keras keeps on a sigmoid's or softmax's output (TF), or None."""
+    return getattr(tensor, "_keras_logits", None)
+
+
+def set_keras_logits(tensor, logits) -> None:
+    tensor._keras_logits = logits
+
+
+# --------------------------------------------------------------------------
 # State owned by the model but not a weight (keras 3.15.1: layers/layer.py:664-700)
 # --------------------------------------------------------------------------
 class _HiddenState:

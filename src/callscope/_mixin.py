@@ -364,8 +364,8 @@ def _takes_name(cls) -> bool:
 _OUTSIDE_COMPILE = (
     "{what} cannot record or intervene inside a function it did not compile: "
     "`{model}` was called while another function was being compiled (your own "
-    "`jax.jit`/`tf.function`/`torch.compile`, or the fit/predict of an outer model "
-    "that is not a callscope model), so what it records would be tracers of that "
+    "`jax.jit`/`tf.function`/`torch.compile`/`torch.jit.trace`, or the fit/predict "
+    "of an outer model that is not a callscope model), so what it records would be tracers of that "
     "trace, and a cached run of it would silently skip the capture. Call the model "
     "outside that function under the scope, or make the outer model a callscope "
     "model (`outer = cs.enable(outer)`) so that its fit/evaluate/predict compile "

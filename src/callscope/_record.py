@@ -382,19 +382,29 @@ class Collector:
         specs numbered in `skip` recorded it already.
         """
         kept = None  # what the records keep: `value` as it is now (`as_recorded`)
+        layout = ()  # (not looked up yet)
         for index, named, records, grads in self._selection(point, layer, kind, sown, parent):
             if index in skip:
                 continue
             if sown:
                 self._note_batch_axis(f"{index}|{named}", point, batch_axis)
+            if layout == ():
+                layout = _backend.layout(value)
+            if records and layout == "ragged" and self.specs[index].stats is None:
+                raise ValueError(_ragged_in_full(named, kind))
             if records:
                 if kept is None:
-                    kept = _backend.as_recorded(value, self.kind)
+                    # (Sparse: as the dense value it stands for, on every backend: JAX
+                    # stacked its BCOO arrays as Python objects, TF's statistics failed.)
+                    kept = _backend.as_recorded(
+                        ops.convert_to_tensor(value, sparse=False) if layout == "sparse"
+                        else value, self.kind)
                     version = _backend.version(kept)
                     if version is not None:
                         self.versions[id(kept)] = (point, kept, version)
                 self.records.setdefault(f"{index}|{named}|{kind}", []).append(kept)
-            if grads and (isinstance(value, keras.Variable) or not _floating(value)):
+            if grads and (isinstance(value, keras.Variable) or not _floating(value)
+                          or layout is not None):
                 # No gradient there: a glob leaves the point out of `grad`.
                 if self.specs[index].names(named):
                     raise ValueError(_not_floating(named, value))
@@ -1204,6 +1214,15 @@ def _not_floating(point: str, value) -> str:
     """The error for a gradient asked of a point by its exact name, at a value that
     is not floating point (an argmax, a mask, token ids), or at a variable sown as
     it is: a glob leaves it out."""
+    if layout := _backend.layout(value):
+        # (TF's tape refused a SparseTensor as a source; JAX's value_and_grad a BCOO.)
+        return (
+            f"d loss / d `{point}` is not taken: the value of `{point}` is a {layout} "
+            "tensor, at which no backend takes a gradient. Take it at a dense point "
+            "next to it, or sow the dense value (`cs.sow(self, 'dense', "
+            "keras.ops.convert_to_tensor(x, sparse=False))`) and take it there (a "
+            f"glob such as `*` leaves {layout} points out of `grad`). Received: "
+            f"select={point!r} with kinds including 'grad', at a {type(value).__name__}")
     if isinstance(value, keras.Variable):
         # Measured (keras 3.15.1): JAX and torch raised inside their autodiff, and
         # TF gave the weight's gradient, through every read of the variable, where
@@ -1225,6 +1244,15 @@ def _not_floating(point: str, value) -> str:
         f"kinds), or capture `{point}` with kinds=('output',). Received: "
         f"select={point!r} with kinds including 'grad', at a value of dtype {dtype}"
     )
+
+
+def _ragged_in_full(point: str, kind: str) -> str:
+    return (
+        f"`{point}:{kind}` is a ragged tensor, whose rows differ in length: a full capture "
+        "stacks rows of one shape, and padding them would add zeros that read as values. "
+        f"Capture its statistics (`reduce=`), or sow a dense value made from it (its "
+        "`flat_values`, or `x.to_tensor()` beside its `row_lengths()`). Received: a "
+        f"{kind} of type RaggedTensor for a capture with reduce=None")
 
 
 def _masked_like(new, old, fresh: bool):
@@ -1571,6 +1599,12 @@ class Patches:
         `batch_axis`), and the value goes on in its own layout."""
         owner, name, fn = found
         self.hits.add((owner, name))
+        if _backend.layout(value) == "ragged":  # (TF's error named neither)
+            raise ValueError(
+                f"The patch of `{name}` would replace a ragged tensor, whose rows differ "
+                "in length, which callscope does not patch. Patch a dense point beside it "
+                "(the layer that makes it, or one after it). Received: a value of type "
+                f"RaggedTensor at `{name}`")
         dynamic = self._values(owner, name, fn)
         if getattr(fn, "takes_batch", False):
             if self.offset is None:

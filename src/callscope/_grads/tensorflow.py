@@ -34,6 +34,7 @@ import contextlib
 import tensorflow as tf
 
 from callscope import _grads, _keras_compat
+from callscope._record import split_record
 
 
 class _Backward:
@@ -75,17 +76,50 @@ def _stock_backward(model, kind) -> bool:
 
 @contextlib.contextmanager
 def _recording(collector, backward=None):
+    collector.bypassed = set()  # ids of the sources the loss went around (`_tied`)
+
     def source(value):
+        logits = _keras_compat.keras_logits(value)
         if backward is not None and isinstance(value, tf.Tensor) and value.dtype.is_floating:
             value = backward.source(value)
         else:
             value = tf.identity(value)
         tape.watch(value)
+        if logits is not None:
+            _keras_compat.set_keras_logits(value, _tied(logits, value, collector.bypassed))
         return value
 
     with tf.GradientTape(persistent=True) as tape:
         collector.on_grad_source = source
         yield tape
+
+
+def _tied(logits, source, bypassed: set):
+    """`logits`, kept on a source made of a sigmoid's or softmax's output (an
+    identity of it), so that a crossentropy goes on computing from them as the
+    step does without the capture (dropped, a saturated row's loss read 16.03 for
+    40, and the weights trained on it). No gradient reaches the source that way:
+    where the loss takes this path, the source is noted (`bypassed`)."""
+
+    @tf.custom_gradient
+    def tie(z, _):
+        def grad(upstream):
+            bypassed.add(id(source))
+            return upstream, tf.zeros_like(source)
+
+        return tf.identity(z), grad
+
+    return tie(logits, source)
+
+
+BYPASSED = (
+    "d loss / d `{point}` is not taken on TensorFlow: `{point}` is a sigmoid's or "
+    "softmax's output, and Keras computes the crossentropy from the logits beneath it "
+    "(exact where the probability saturates), so the loss does not pass through it. "
+    "Take the gradient at the logits: give the layer no activation and follow it "
+    "with `keras.layers.Activation`, whose input is then a point (a glob such as `*` "
+    "leaves such points out of `grad`). Received: select={point!r} with kinds "
+    "including 'grad'")
 
 
 def _file(collector, tape, loss, backward=None, scale=None) -> None:
@@ -112,7 +146,12 @@ def _file(collector, tape, loss, backward=None, scale=None) -> None:
                               None if seed is None else tf.cast(seed, loss.dtype))
             grads.update((name, tf.convert_to_tensor(g) if seed is None
                           else _grads.unscaled(g, seed)) for (name, _), g in zip(group, found))
-    collector.add_grads({name: grads[name] for name, _ in sources})  # in call order
+    around = {name for name, t in sources if id(t) in collector.bypassed}
+    for name in around:
+        index, point, _ = split_record(name)
+        if collector.specs[int(index)].names(point):  # (a glob leaves it out)
+            raise ValueError(BYPASSED.format(point=point))
+    collector.add_grads({name: grads[name] for name, _ in sources if name not in around})
 
 
 def _gradient(tape, loss, tensors, seed=None):
