@@ -227,3 +227,13 @@ def test_a_dynamic_value_has_one_dtype_in_every_entry_point_under_mixed_precisio
     np.testing.assert_allclose(predicted, direct)
     np.testing.assert_allclose(direct, want, rtol=1e-3)
     assert {str(v.dtype) for v in cap.values()} == {"float16"}
+
+
+def test_an_int_that_overflows_a_float16_dynamic_value_is_refused():
+    # An int value was not checked against a float dtype: 70000 into a float16
+    # variable read inf.
+    from callscope import _engine
+
+    with pytest.raises(ValueError, match=r"the value overflows float16"):
+        _engine._held_as("t", np.array(70000), np.dtype("float16"))
+    assert _engine._held_as("t", np.array(300), np.dtype("float16")) == 300

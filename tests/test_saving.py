@@ -366,6 +366,14 @@ def test_a_users_trace_under_a_scope_is_refused_and_without_one_serves_plain_val
         with pytest.raises(RuntimeError, match=error):
             with scope():
                 _user_trace(model, x)
+    if BACKEND == "torch":  # (a direct value is checked in a trace as in a call)
+        import torch
+
+        model.register_context_args("temperature", dynamic=True)
+        model.predict(x, temperature=np.int8(1), verbose=0)
+        with pytest.raises(ValueError, match=r"the value does not fit in int8"):
+            torch.jit.trace(lambda t: model(t, temperature=300), (torch.tensor(x),),
+                            check_trace=False)
     np.testing.assert_allclose(_user_trace(model, x)(x * 2), model.predict(x * 2, verbose=0),
                                rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(_user_trace(model, x)(x), plain, rtol=1e-6, atol=1e-6)

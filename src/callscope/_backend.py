@@ -41,6 +41,14 @@ def is_tracing(leaves) -> bool:
     return False
 
 
+def torch_jit_tracing() -> bool:
+    if BACKEND != "torch":
+        return False
+    import torch
+
+    return bool(torch.jit.is_tracing())
+
+
 def is_tracing_now() -> bool:
     """`is_tracing` without inputs to look at: is a compiled function being built?"""
     if BACKEND == "jax":

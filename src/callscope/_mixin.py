@@ -266,8 +266,9 @@ class ContextMixin(Engine, _keras_compat.LossHook, *_JAX_HOOKS):
         as it is: the layers get it uncast (nothing to check a cast for), and a
         gradient or JAX transform with respect to it (`jax.grad`, a tape, torch's
         backward) stays connected. Nothing under `torch.compile`, whose graph the
-        checks would break."""
-        if (name not in self._cs.dynamic or (tracing and _backend.BACKEND == "torch")
+        checks would break (`torch.jit.trace` runs them: plain Python)."""
+        if (name not in self._cs.dynamic or (tracing and _backend.BACKEND == "torch"
+                                              and not _backend.torch_jit_tracing())
                 or (_keys.is_tensor_like(value)
                     and not isinstance(value, np.ndarray | np.generic))):
             return value

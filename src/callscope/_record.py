@@ -1246,6 +1246,19 @@ def _not_floating(point: str, value) -> str:
     )
 
 
+def _logits_kept(new, returned):
+    """`new`, made of what a patch `returned` (TF's shape check in the graph makes
+    a new tensor), with the logits Keras keeps on `returned` where it has them: a
+    patch that returns a sigmoid's output as it is (`lambda h: h`) left the loss
+    computed from clipped probabilities, 10.73 for 26.04."""
+    if new is returned or not _is_tensor(new) or not _is_tensor(returned):
+        return new
+    logits = _keras_compat.keras_logits(returned)
+    if logits is not None and _keras_compat.keras_logits(new) is None:
+        _keras_compat.set_keras_logits(new, logits)
+    return new
+
+
 def _ragged_in_full(point: str, kind: str) -> str:
     return (
         f"`{point}:{kind}` is a ragged tensor, whose rows differ in length: a full capture "
@@ -1641,7 +1654,7 @@ class Patches:
         rows = (" It took the value's first axis as the batch's rows: a value whose rows "
                 "are on another axis is patched where it is sown, with "
                 "`cs.sow(..., batch_axis=)`." if getattr(fn, "takes_batch", False) else "")
-        out = _backend.check_same_shape(
+        checked = _backend.check_same_shape(
             out, value,
             f"The patch of `{name}` returned a value of shape {{got}}, but the point's "
             f"value has shape {{want}}: a patch must keep the shape. For a patch that "
@@ -1649,7 +1662,7 @@ class Patches:
             f"`batch.rows`, or pass the full-data array itself as the patch.{rows} "
             f"Received: a value of shape {{got}} for `{name}`"
         )
-        return _in_dtypes_of(name, out, value, self.lost)
+        return _logits_kept(_in_dtypes_of(name, checked, value, self.lost), out)
 
 
     def _values(self, owner, name, fn):

@@ -76,7 +76,7 @@ def _stock_backward(model, kind) -> bool:
 
 @contextlib.contextmanager
 def _recording(collector, backward=None):
-    collector.bypassed = set()  # ids of the sources the loss went around (`_tied`)
+    collector.bypassed = _Bypassed(backward)  # the sources the loss went around
 
     def source(value):
         logits = _keras_compat.keras_logits(value)
@@ -94,7 +94,20 @@ def _recording(collector, backward=None):
         yield tape
 
 
-def _tied(logits, source, bypassed: set):
+class _Bypassed:
+    """The ids of the sources whose logits a gradient of the loss went through:
+    noted only while the loss's own gradient is taken (the stock backward, once
+    armed, or `_file`'s), not a gradient a custom step takes of something else."""
+
+    def __init__(self, backward):
+        self.backward, self.taking, self.ids = backward, False, set()
+
+    def note(self, source) -> None:
+        if self.taking or (self.backward is not None and self.backward.armed):
+            self.ids.add(id(source))
+
+
+def _tied(logits, source, bypassed: _Bypassed):
     """`logits`, kept on a source made of a sigmoid's or softmax's output (an
     identity of it), so that a crossentropy goes on computing from them as the
     step does without the capture (dropped, a saturated row's loss read 16.03 for
@@ -104,7 +117,7 @@ def _tied(logits, source, bypassed: set):
     @tf.custom_gradient
     def tie(z, _):
         def grad(upstream):
-            bypassed.add(id(source))
+            bypassed.note(source)
             return upstream, tf.zeros_like(source)
 
         return tf.identity(z), grad
@@ -142,11 +155,15 @@ def _file(collector, tape, loss, backward=None, scale=None) -> None:
     plain = [(name, t) for name, t in rest if name not in halves]
     for group, seed in ((plain, None), (half, scale)):
         if group:
-            found = _gradient(tape, loss, [t for _, t in group],
-                              None if seed is None else tf.cast(seed, loss.dtype))
+            collector.bypassed.taking = True
+            try:
+                found = _gradient(tape, loss, [t for _, t in group],
+                                  None if seed is None else tf.cast(seed, loss.dtype))
+            finally:
+                collector.bypassed.taking = False
             grads.update((name, tf.convert_to_tensor(g) if seed is None
                           else _grads.unscaled(g, seed)) for (name, _), g in zip(group, found))
-    around = {name for name, t in sources if id(t) in collector.bypassed}
+    around = {name for name, t in sources if id(t) in collector.bypassed.ids}
     for name in around:
         index, point, _ = split_record(name)
         if collector.specs[int(index)].names(point):  # (a glob leaves it out)
