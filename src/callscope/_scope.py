@@ -644,7 +644,10 @@ SCOPE_INSIDE = (
     "{what} was exited while a scope opened inside it is still open: scopes close "
     "innermost first, and closing this one would end that one too, which would then "
     "put this one back on its own exit. It stays open: exit the inner one first (`with` "
-    "blocks do). Received: {what} exited before the scope opened inside it")
+    "blocks do), then this one again. (An `ExitStack` or a generator that exited it "
+    "will not exit it again: call its `__exit__(None, None, None)` yourself, or it "
+    "goes on applying to every call in this thread.) Received: {what} exited before "
+    "the scope opened inside it")
 
 
 def _holds(value, item) -> bool:
