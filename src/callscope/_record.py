@@ -1216,12 +1216,14 @@ def _not_floating(point: str, value) -> str:
     it is: a glob leaves it out."""
     if layout := _backend.layout(value):
         # (TF's tape refused a SparseTensor as a source; JAX's value_and_grad a BCOO.)
+        dense = ("keras.ops.convert_to_tensor(x, sparse=False)" if layout == "sparse"
+                 else "x.to_tensor()")
         return (
             f"d loss / d `{point}` is not taken: the value of `{point}` is a {layout} "
-            "tensor, at which no backend takes a gradient. Take it at a dense point "
-            "next to it, or sow the dense value (`cs.sow(self, 'dense', "
-            "keras.ops.convert_to_tensor(x, sparse=False))`) and take it there (a "
-            f"glob such as `*` leaves {layout} points out of `grad`). Received: "
+            "tensor, at which callscope takes no gradient. Take it at a dense point "
+            f"next to it, or sow the dense value (`cs.sow(self, 'dense', {dense})`) and "
+            f"take it there (a glob such as `*` leaves {layout} points out of `grad`). "
+            "Received: "
             f"select={point!r} with kinds including 'grad', at a {type(value).__name__}")
     if isinstance(value, keras.Variable):
         # Measured (keras 3.15.1): JAX and torch raised inside their autodiff, and
