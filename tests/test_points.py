@@ -579,6 +579,33 @@ def test_keyword_inputs_are_recorded_by_argument_name():
     np.testing.assert_allclose(cap["att/mha/query:input"], x)
 
 
+def test_the_keys_of_a_dict_argument_are_escaped_in_its_input_labels():
+    # `{"p/q": a, "p": {"q": b}}` gave both `input/x/p/q`, read as two runs
+    # (`@0`, `@1`) of a layer that ran once; `"c:d"` a key with two colons.
+    class Sum(layers.Layer):
+        def call(self, x, **extra):
+            return x["a"] + x["p/q"] + x["p"]["q"] + x["c:d"] + extra["k/w"]
+
+    class Net(cs.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.s = Sum(name="s")
+
+        def call(self, x):
+            return self.s({"a": x, "p/q": x * 5.0, "p": {"q": x * 11.0}, "c:d": x * 13.0},
+                          **{"k/w": x * 17.0})
+
+    model = Net(name="net")
+    with cs.capture(model, "net/s", kinds=("input",)) as cap:
+        model.predict(X, batch_size=2, verbose=0)
+    factors = {"a": 1, "p%2Fq": 5, "p/q": 11, "c%3Ad": 13}
+    assert sorted(cap) == sorted([f"net/s:input/x/{k}" for k in factors]
+                                 + ["net/s:input/k%2Fw"])
+    for label, factor in factors.items():
+        np.testing.assert_allclose(cap[f"net/s:input/x/{label}"], X * factor)
+    np.testing.assert_allclose(cap["net/s:input/k%2Fw"], X * 17)
+
+
 # --------------------------------------------------------------------------
 # Layers in loops
 # --------------------------------------------------------------------------

@@ -1183,7 +1183,7 @@ class RecordingCall:
             if name == "training":
                 continue
             if kinds.get(name) is inspect.Parameter.VAR_KEYWORD:
-                items = list(value.items())
+                items = [(escaped(key), item) for key, item in value.items()]
             elif kinds.get(name) is inspect.Parameter.VAR_POSITIONAL:
                 items = [(f"{name}/{i}", v) for i, v in enumerate(value)]
             else:
@@ -1191,7 +1191,10 @@ class RecordingCall:
             for label, item in items:
                 for path, leaf in keras.tree.flatten_with_path(item):
                     if _is_tensor(leaf):
-                        named.append(("/".join([label, *map(str, path)]), leaf))
+                        # (Keys escaped as output elements' are: `{"p/q": a, "p":
+                        # {"q": b}}` read as one label, two runs of a layer run once.)
+                        parts = [label, *(escaped(str(part)) for part in path)]
+                        named.append(("/".join(parts), leaf))
         return named
 
 
