@@ -220,7 +220,18 @@ def test_registration_errors():
     with pytest.raises(TypeError, match="Received: model=Dense"):
         cs.enable(keras.layers.Dense(1))
     with pytest.raises(TypeError, match="decorates a Keras Layer"):
-        cs.context_args("x")(object)
+        cs.context_args("flag")(object)
+    # A name of an entry point's parameter took the call's own argument, on every
+    # backend: `fit(epochs=3)` ran 1 epoch, `fit(verbose=0)` printed a progress bar,
+    # `fit(batch_size=2)` ran one batch, `fit(x, y)` took the data as the value.
+    for name in ("epochs", "batch_size", "verbose", "x", "callbacks", "steps", "mask"):
+        with pytest.raises(ValueError, match=rf"`{name}` is .*Name the context argument "
+                                             rf"otherwise.*Received: a context argument "
+                                             rf"registered as name='{name}'"):
+            model.register_context_args(name)
+        with pytest.raises(ValueError, match=rf"declared as name='{name}'"):
+            cs.context_args(name)
+    assert set(model.context_args) == {"mode"}
 
 
 class _Sows(keras.layers.Layer):

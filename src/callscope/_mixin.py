@@ -34,6 +34,27 @@ _INHERITED_TENSOR = (
     "`{model}` too, or static on all. Received: {name}={value}")
 
 
+# The parameters of the entry points (keras 3.15.1's `fit`, `evaluate`, `predict`
+# and `*_on_batch`), and `mask`, which Keras passes itself: a context argument of
+# one of those names took the call's own argument (`fit(epochs=3)` ran 1 epoch).
+_KERAS_NAMES = frozenset(
+    name for method in ("fit", "evaluate", "predict", "train_on_batch", "test_on_batch",
+                        "predict_on_batch")
+    for name in inspect.signature(getattr(keras.Model, method)).parameters
+) - {"self", "kwargs"} | {"mask"}
+
+
+def check_not_keras_name(name: str, how: str) -> None:
+    if name in _KERAS_NAMES:
+        what = ("Keras's own argument of a layer's `call`" if name == "mask" else
+                "a parameter of `fit`, `evaluate`, `predict` or the `*_on_batch` methods")
+        raise ValueError(
+            f"`{name}` is {what}, so a call could not tell the context value from "
+            f"Keras's own (`fit(..., {name}=...)` would set it, not Keras's). Name the "
+            f"context argument otherwise (e.g. `{name}_mode`). Received: "
+            f"a context argument {how} as name={name!r}")
+
+
 class ContextMixin(Engine, _keras_compat.LossHook, *_JAX_HOOKS):
     """Adds context arguments, captures and patches to a Keras model. Used through
     `cs.Model`, `cs.Sequential` and `cs.enable`, or mixed in first, before the Keras
@@ -134,6 +155,7 @@ class ContextMixin(Engine, _keras_compat.LossHook, *_JAX_HOOKS):
                     "`training` is already propagated by Keras and cannot be "
                     "registered as a context argument. Received: name='training'"
                 )
+            check_not_keras_name(name, "registered")
         state = self._cs
         with state.lock:
             for name in names:

@@ -27,7 +27,7 @@ from typing import TypeVar
 import keras
 
 from callscope import _backend, _keras_compat, _keys, _scope
-from callscope._mixin import ContextMixin, _delivered
+from callscope._mixin import ContextMixin, _delivered, check_not_keras_name
 
 _Functional = _keras_compat.functional_class()
 T = TypeVar("T")
@@ -222,6 +222,7 @@ def context_args(*names: str):
                 "context argument: take `training=None` in `call`. Received: "
                 "name='training'"
             )
+        check_not_keras_name(name, "declared")
 
     def decorate(cls):
         if not (isinstance(cls, type) and issubclass(cls, keras.layers.Layer)):
