@@ -1168,3 +1168,55 @@ def test_listing_the_points_leaves_a_stateful_models_state():
     cs.summary(model, x, print_fn=lambda text: None)
     for variable, value in zip(model.non_trainable_variables, before):
         np.testing.assert_array_equal(numpy(variable), value, err_msg=variable.path)
+
+
+def test_the_runs_of_a_layer_are_numbered_by_its_calls_in_every_key():
+    # `@i` counted the values each key got: `input/key`, given in runs 0 and 2,
+    # read run 2's as `@1`, beside `@1:input/query` (run 1's); run 1 returned a
+    # tuple, so `@1:output` was run 2's; a key only run 1 gave had no `@` at all.
+    class Attend(layers.Layer):
+        def build(self, shape):
+            self.w = self.add_weight(shape=(shape[-1], shape[-1]), initializer="ones")
+
+        def call(self, query, key=None, pair=False):
+            out = query @ self.w + (0.0 if key is None else key)
+            return (out, 2.0 * out) if pair else out
+
+    class Net(cs.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.att = Attend(name="att")
+
+        def call(self, x):
+            a = self.att(x, key=2.0 * x)
+            b = self.att(a, pair=True)[1]
+            return self.att(b, key=5.0 * x)
+
+    model = Net(name="net")
+    model.compile(loss="mse")
+    y = np.zeros((8, 4), "float32")
+    w = np.ones((4, 4), "float32")
+    a = X @ w + 2 * X
+    b = 2 * (a @ w)
+    c = b @ w + 5 * X
+    with cs.capture(model, "net/att", kinds=("input", "output", "grad")) as cap:
+        model.evaluate(X, y, batch_size=8, verbose=0)
+    assert sorted(cap) == sorted([
+        "net/att@0:input/query", "net/att@0:input/key", "net/att@0:output", "net/att@0:grad",
+        "net/att@1:input", "net/att/0@1:output", "net/att/1@1:output", "net/att/0@1:grad",
+        "net/att/1@1:grad",
+        "net/att@2:input/query", "net/att@2:input/key", "net/att@2:output", "net/att@2:grad"])
+    for key, expected in [("net/att@0:input/query", X), ("net/att@0:input/key", 2 * X),
+                          ("net/att@0:output", a), ("net/att@1:input", a),
+                          ("net/att/1@1:output", b), ("net/att@2:input/query", b),
+                          ("net/att@2:input/key", 5 * X), ("net/att@2:output", c)]:
+        np.testing.assert_allclose(cap[key], expected, rtol=1e-5, err_msg=key)
+    np.testing.assert_allclose(cap["net/att@2:grad"], 2 * c / c.size, rtol=1e-5)
+    np.testing.assert_allclose(cap["net/att/0@1:grad"], 0, atol=0)
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+    with cs.capture(model, "net/att", kinds=("input", "output", "grad")) as fitted:
+        model.fit(X, y, batch_size=8, verbose=0, shuffle=False)  # (JAX: in value_and_grad)
+    assert sorted(fitted) == sorted(cap)
+    for key in ("net/att@0:input/key", "net/att@2:input/key", "net/att@2:output",
+                "net/att@2:grad"):
+        np.testing.assert_allclose(fitted[key], cap[key], rtol=1e-5, err_msg=key)

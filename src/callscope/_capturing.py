@@ -185,7 +185,7 @@ class CaptureMixin:
     def _cs_points_of(self, owner: int) -> list[str]:
         """The points of the model `owner` (an id: this one, or one it holds) as a
         patch of it names them (`enc/d`, not the caller's `ae/enc/d`)."""
-        held = next((layer for layer in self._flatten_layers() if id(layer) == owner), self)
+        held = _keras_compat.layers_held(self).get(owner, self)
         return (held if hasattr(held, "_cs_known_points") else self)._cs_known_points()
 
 

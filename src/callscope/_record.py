@@ -169,6 +169,13 @@ class Collector:
     one eager call."""
 
     records = _Fresh()  # "index|point|kind" -> values
+    # The run of its layer each value of a layer's record is from (`@i` in its key:
+    # by position, `input/key` given in runs 0 and 2 read as runs 0 and 1), the
+    # point whose runs count, and each layer point's calls begun in this step.
+    runs = _Fresh()  # "index|point|kind" -> run numbers, beside `records`
+    counted = _Fresh()  # "index|point|kind" -> the layer's point
+    calls = _Fresh()  # a layer's point -> its calls begun
+    grad_runs = _Fresh()  # "index|point|n" of a gradient source -> (run, layer's point)
     owners = _Fresh()  # point -> id(layer): instances never share
     loops = _Fresh()  # point inside a loop -> the layer running it
     grad_sources = _Fresh()  # "index|point|grad" -> gradient sources
@@ -403,6 +410,10 @@ class Collector:
                     if version is not None:
                         self.versions[id(kept)] = (point, kept, version)
                 self.records.setdefault(f"{index}|{named}|{kind}", []).append(kept)
+                if not sown:
+                    self.counted[f"{index}|{named}|{kind}"] = parent or point
+                    self.runs.setdefault(f"{index}|{named}|{kind}", []).append(
+                        self.calls.get(parent or point, 1) - 1)
             if grads and (isinstance(value, keras.Variable) or not _floating(value)
                           or layout is not None):
                 # No gradient there: a glob leaves the point out of `grad`.
@@ -412,6 +423,9 @@ class Collector:
             if grads:
                 sources = self.grad_sources.setdefault(f"{index}|{named}|grad", [])
                 name = f"{index}|{named}|{len(sources)}"
+                if not sown:
+                    self.grad_runs[name] = (self.calls.get(parent or point, 1) - 1,
+                                            parent or point)
                 if self.perturbations is not None and name in self.perturbations:
                     value = value + self.perturbations[name]
                 if self.on_grad_source is not None:
@@ -492,6 +506,9 @@ class Collector:
         for name, grad in grads.items():
             index, point, _ = split_record(name)
             self.records.setdefault(f"{index}|{point}|grad", []).append(grad)
+            if (found := self.grad_runs.get(name)) is not None:
+                self.runs.setdefault(f"{index}|{point}|grad", []).append(found[0])
+                self.counted[f"{index}|{point}|grad"] = found[1]
 
     def merge(self, records: Mapping[str, list]) -> None:
         for name, values in records.items():
@@ -507,8 +524,13 @@ class Collector:
             index, point, kind = split_record(name)
             spec = self.specs[int(index)]
             axis = self._axis(name, values)
-            for i, value in enumerate(values):
-                key = key_name(point, kind, i, len(values))
+            runs, count = self.runs.get(name), len(values)
+            if runs is None or len(runs) != count or len(set(runs)) != count:
+                runs = range(count)  # (sown values: by position)
+            else:
+                count = max(count, self.calls.get(self.counted[name], 0))
+            for i, value in zip(runs, values):
+                key = key_name(point, kind, i, count)
                 if axis is None:
                     self.unbatched.add(f"{index}|{key}")
                 if spec.stats:
@@ -718,6 +740,8 @@ def collecting() -> Iterator[Collected]:
         # One naming for the whole step: the same stack, owners and loop points.
         inner.stack, inner.owners, inner.loops = list(outer.stack), outer.owners, outer.loops
         inner.tree = outer.tree
+        inner.calls, inner.runs, inner.counted = outer.calls, outer.runs, outer.counted
+        inner.grad_runs = outer.grad_runs
         inner.perturbations = outer.perturbations
         inner.batch_axes = outer.batch_axes
         inner.scopes_applied = outer.scopes_applied
@@ -1107,6 +1131,7 @@ class RecordingCall:
                 _recompute.note(checkpoint, self, None)
             return original(*args, **kwargs)
         point = collector.name(layer, self.local)
+        collector.calls[point] = collector.calls.get(point, 0) + 1
         if checkpoint is not None:
             _recompute.note(checkpoint, self, (patches, point, collector.applied))
         marker = _backend.trace_marker()

@@ -207,6 +207,8 @@ def _fallback(collector, loss_fn, args, sources):
     zeros = {name: jnp.zeros(value.shape, value.dtype) for name, value in sources}
     collector.records, collector.grad_sources = {}, {}
     del collector.tree[:]
+    collector.runs.clear()
+    collector.calls.clear()
 
     collected = []
 
