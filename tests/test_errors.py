@@ -224,7 +224,8 @@ def test_registration_errors():
     # A name of an entry point's parameter took the call's own argument, on every
     # backend: `fit(epochs=3)` ran 1 epoch, `fit(verbose=0)` printed a progress bar,
     # `fit(batch_size=2)` ran one batch, `fit(x, y)` took the data as the value.
-    for name in ("epochs", "batch_size", "verbose", "x", "callbacks", "steps", "mask"):
+    for name in ("epochs", "batch_size", "verbose", "x", "callbacks", "steps", "mask",
+                 "inputs"):
         with pytest.raises(ValueError, match=rf"`{name}` is .*Name the context argument "
                                              rf"otherwise.*Received: a context argument "
                                              rf"registered as name='{name}'"):
@@ -232,6 +233,8 @@ def test_registration_errors():
         with pytest.raises(ValueError, match=rf"declared as name='{name}'"):
             cs.context_args(name)
     assert set(model.context_args) == {"mode"}
+    with pytest.raises(ValueError, match=r"`evaluate\(\.\.\., steps=\.\.\.\)` would set it"):
+        model.register_context_args("steps")
 
 
 class _Sows(keras.layers.Layer):

@@ -1567,37 +1567,3 @@ def test_a_gradient_capture_keeps_the_loss_that_keras_computes_from_logits(
         captured.fit(x, y, batch_size=3, epochs=2, verbose=0, shuffle=False)
     for a, b in zip(plain.get_weights(), captured.get_weights()):
         np.testing.assert_array_equal(a, b)
-
-
-@pytest.mark.parametrize("function, loss", [("softmax", "categorical_crossentropy"),
-                                            ("sigmoid", "binary_crossentropy")])
-def test_a_gradient_capture_keeps_the_loss_of_a_layer_that_calls_tf_nn_softmax(function, loss):
-    # On TF a crossentropy also computes from the input of a graph tensor's
-    # `Softmax` or `Sigmoid` op (`tf.nn.softmax` in a layer of the user's): a
-    # gradient capture or a patch that returned the output as it is made the loss
-    # of saturated rows 16.12 for 80.
-    if BACKEND == "tensorflow":
-        import tensorflow as tf
-
-        apply = {"softmax": tf.nn.softmax, "sigmoid": tf.math.sigmoid}[function]
-    else:  # (elsewhere the loss is computed from the probabilities)
-        apply = getattr(keras.ops, function)
-
-    class Probabilities(keras.layers.Layer):
-        def call(self, x):
-            return apply(x)
-
-    units = 2 if function == "softmax" else 1
-    inputs = keras.Input((1,))
-    outputs = Probabilities(name="act")(keras.layers.Dense(units, name="d")(inputs))
-    model = cs.Model(inputs, outputs, name="m")
-    model.set_weights([np.array([[40.0, -40.0][:units]], "float32"), np.zeros(units, "float32")])
-    model.compile(loss=loss)
-    x = np.array([[1.0], [-1.0]], "float32")
-    y = np.array([[0, 1], [1, 0]] if units == 2 else [[0], [1]], "float32")
-    expected = model.evaluate(x, y, verbose=0)
-    with cs.capture(model, "*", kinds=("grad",)) as cap:
-        assert model.evaluate(x, y, verbose=0) == pytest.approx(expected, rel=1e-6)
-    assert "m/d:grad" in cap.keys()
-    with cs.patch(model, {"m/act": lambda p: p}):
-        assert model.evaluate(x, y, verbose=0) == pytest.approx(expected, rel=1e-6)

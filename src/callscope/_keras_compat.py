@@ -158,21 +158,15 @@ def set_keras_mask(tensor, mask) -> None:
 # --------------------------------------------------------------------------
 # Logits under a probability (keras 3.15.1: backend/tensorflow/nn.py:41-45 and
 # :166-173, activations/activations.py:158-163 and :497-502 set `_keras_logits` on
-# a sigmoid's or softmax's output; `_get_logits`, nn.py:1262-1295, makes the
-# crossentropies compute from them, exactly where the probability saturates, and
-# from the input of a graph tensor's `Sigmoid` or `Softmax` op, `tf.nn.softmax`'s).
+# a sigmoid's or softmax's output; `_get_logits`, nn.py:1262-1295, makes every
+# crossentropy compute from them, exactly where the probability saturates. It also
+# takes the input of a graph tensor's `Sigmoid` op for a binary crossentropy, and a
+# `Softmax` op's for a categorical one: not kept here, since an attribute would
+# serve either loss, whatever the op.)
 # --------------------------------------------------------------------------
 def keras_logits(tensor):
-    """The logits a TF crossentropy would take beneath a sigmoid's or softmax's
-    output: those Keras keeps on it, or its op's input; else None."""
-    logits = getattr(tensor, "_keras_logits", None)
-    op = None
-    with contextlib.suppress(AttributeError):  # (an eager tensor has no op)
-        op = tensor.op
-    if logits is None and op is not None and op.type in ("Sigmoid", "Softmax") and len(
-            op.inputs) == 1:
-        logits = op.inputs[0]
-    return logits
+    """The logits Keras keeps on a sigmoid's or softmax's output (TF), or None."""
+    return getattr(tensor, "_keras_logits", None)
 
 
 def set_keras_logits(tensor, logits) -> None:

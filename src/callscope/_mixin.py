@@ -35,22 +35,27 @@ _INHERITED_TENSOR = (
 
 
 # The parameters of the entry points (keras 3.15.1's `fit`, `evaluate`, `predict`
-# and `*_on_batch`), and `mask`, which Keras passes itself: a context argument of
-# one of those names took the call's own argument (`fit(epochs=3)` ran 1 epoch).
-_KERAS_NAMES = frozenset(
-    name for method in ("fit", "evaluate", "predict", "train_on_batch", "test_on_batch",
-                        "predict_on_batch")
-    for name in inspect.signature(getattr(keras.Model, method)).parameters
-) - {"self", "kwargs"} | {"mask"}
+# and `*_on_batch`: name -> the first that takes it), and `inputs` and `mask`,
+# which a model's `call` takes from Keras: a context argument of one of those
+# names took the call's own argument (`fit(epochs=3)` ran 1 epoch).
+_KERAS_NAMES = {"inputs": "__call__", "mask": "__call__"}
+for _method in ("fit", "evaluate", "predict", "train_on_batch", "test_on_batch",
+                "predict_on_batch"):
+    for _name in inspect.signature(getattr(keras.Model, _method)).parameters:
+        if _name not in ("self", "kwargs"):
+            _KERAS_NAMES.setdefault(_name, _method)
 
 
 def check_not_keras_name(name: str, how: str) -> None:
-    if name in _KERAS_NAMES:
-        what = ("Keras's own argument of a layer's `call`" if name == "mask" else
-                "a parameter of `fit`, `evaluate`, `predict` or the `*_on_batch` methods")
+    method = _KERAS_NAMES.get(name)
+    if method is not None:
+        what = ("an argument Keras passes to a model's `call`" if method == "__call__"
+                else "a parameter of `fit`, `evaluate`, `predict` or the `*_on_batch` "
+                "methods")
+        shown = "model(x" if method == "__call__" else f"{method}(..."
         raise ValueError(
             f"`{name}` is {what}, so a call could not tell the context value from "
-            f"Keras's own (`fit(..., {name}=...)` would set it, not Keras's). Name the "
+            f"Keras's own (`{shown}, {name}=...)` would set it, not Keras's). Name the "
             f"context argument otherwise (e.g. `{name}_mode`). Received: "
             f"a context argument {how} as name={name!r}")
 
