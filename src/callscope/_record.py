@@ -1202,7 +1202,8 @@ class RecordingCall:
             bound = signature.bind(*args, **kwargs).arguments
             kinds = {n: p.kind for n, p in signature.parameters.items()}
         except TypeError:
-            bound, kinds = {**{str(i): a for i, a in enumerate(args)}, **kwargs}, {}
+            bound, kinds = {**{str(i): a for i, a in enumerate(args)},
+                            **{escaped(k): v for k, v in kwargs.items()}}, {}
         named = []
         for name, value in bound.items():
             if name == "training":
